@@ -1,0 +1,48 @@
+"""shardplan: plans and runs sharded, pipelined JAX train steps on mixed GPU clusters.
+
+The public API is re-exported here; see ``docs/architecture.md`` for the pipeline
+(trace -> cluster + cost -> solver -> plan -> runtime -> viz).
+"""
+
+from shardplan.cluster import Cluster as Cluster
+from shardplan.cluster import DeviceGroup as DeviceGroup
+from shardplan.cluster import DeviceSpec as DeviceSpec
+from shardplan.cluster import Link as Link
+from shardplan.errors import CheckpointError as CheckpointError
+from shardplan.errors import ClusterError as ClusterError
+from shardplan.errors import ConfigError as ConfigError
+from shardplan.errors import DataError as DataError
+from shardplan.errors import InfeasibleError as InfeasibleError
+from shardplan.errors import PipelineError as PipelineError
+from shardplan.errors import PlanMismatchError as PlanMismatchError
+from shardplan.errors import RuntimeFailure as RuntimeFailure
+from shardplan.errors import ShardplanError as ShardplanError
+from shardplan.errors import ShardplanWarning as ShardplanWarning
+from shardplan.errors import SolverError as SolverError
+from shardplan.errors import TraceError as TraceError
+from shardplan.trace import OpGraph as OpGraph
+from shardplan.trace import trace as trace
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "Cluster",
+    "ClusterError",
+    "ConfigError",
+    "DataError",
+    "DeviceGroup",
+    "DeviceSpec",
+    "InfeasibleError",
+    "Link",
+    "OpGraph",
+    "PipelineError",
+    "PlanMismatchError",
+    "RuntimeFailure",
+    "ShardplanError",
+    "ShardplanWarning",
+    "SolverError",
+    "TraceError",
+    "__version__",
+    "trace",
+]

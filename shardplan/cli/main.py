@@ -1,0 +1,99 @@
+"""``shardplan`` command line: one subcommand per pipeline entry point.
+
+Subcommands:
+  trace   trace a model's train step into an op graph and print its summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from collections.abc import Sequence
+
+from shardplan.errors import ShardplanError
+
+__all__ = ["TraceConfig", "main", "trace_main"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceConfig:
+    """Options of ``shardplan trace``.
+
+    Attributes:
+      model: a model preset name (``gpt-tiny``) or a path to a model YAML.
+      batch: global batch size (sequences).
+      seq_len: sequence length (default: the model's ``max_seq_len``).
+      scan_layers: override the model's ``scan_layers``.
+      abstract: trace on ``ShapeDtypeStruct``s only (never allocates; for large models).
+    """
+
+    model: str
+    batch: int = 8
+    seq_len: int | None = None
+    scan_layers: bool | None = None
+    abstract: bool = True
+
+
+def trace_main(config: TraceConfig) -> int:
+    """Traces the reference train step of ``config.model`` and prints the op-graph summary."""
+    import jax
+
+    import models
+    from shardplan.trace import trace
+
+    overrides = {} if config.scan_layers is None else {"scan_layers": config.scan_layers}
+    model_config = models.load_model_config(config.model, overrides=overrides)
+    start = time.perf_counter()
+    if config.abstract:
+        graphdef, state = models.abstract_train_state(model_config)
+    else:
+        graphdef, state = models.init_train_state(model_config)
+    batch = models.example_batch(model_config, config.batch, seq_len=config.seq_len,
+                                 abstract=config.abstract)
+    built = time.perf_counter()
+    graph = trace(models.make_train_step(graphdef), state, batch)
+    done = time.perf_counter()
+    print(f"model {config.model}: {model_config.num_params():,} parameters; "
+          f"batch {config.batch} x {config.seq_len or model_config.max_seq_len} tokens; "
+          f"jax {jax.__version__} on {jax.devices()[0].platform}")
+    print(f"built the (abstract) state in {built - start:.2f} s, traced in {done - built:.2f} s")
+    print()
+    print(graph.summary())
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardplan", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("trace", help="trace a model's train step and print its op graph")
+    p.add_argument("model", help="model preset name or model YAML path")
+    p.add_argument("--batch", type=int, default=8, help="global batch size (default 8)")
+    p.add_argument("--seq-len", type=int, default=None, help="sequence length")
+    scan = p.add_mutually_exclusive_group()
+    scan.add_argument("--scan", dest="scan_layers", action="store_true", default=None,
+                      help="scan over stacked blocks (nnx.scan)")
+    scan.add_argument("--loop", dest="scan_layers", action="store_false",
+                      help="Python loop over blocks")
+    p.add_argument("--concrete", dest="abstract", action="store_false",
+                   help="initialise real arrays instead of tracing abstractly")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``shardplan`` command."""
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "trace":
+            return trace_main(TraceConfig(model=args.model, batch=args.batch,
+                                          seq_len=args.seq_len, scan_layers=args.scan_layers,
+                                          abstract=args.abstract))
+    except ShardplanError as e:
+        print(f"shardplan {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

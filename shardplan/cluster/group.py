@@ -1,0 +1,119 @@
+"""Device groups (devices of one type, in nodes) and per-pair links between groups."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from shardplan.cluster._schema import Where, as_int, as_str, fail
+from shardplan.cluster.device import DeviceSpec
+from shardplan.cluster.link import Link
+from shardplan.errors import ClusterError, format_error
+
+__all__ = ["LINK_HINT", "DeviceGroup", "GroupLink"]
+
+LINK_HINT = "{bandwidth_GB_s: <GB/s per direction per device>, latency_us: <µs>}"
+"""How a link is written, for remedies in error messages."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceGroup:
+    """Devices of one type, ``nodes`` nodes of ``devices_per_node`` each.
+
+    Attributes:
+      name: unique within the cluster (default: the device name).
+      device: the device type's figures.
+      nodes: number of nodes (hosts).
+      devices_per_node: devices in each node.
+      intra_node: the link between two devices of the same node.
+      inter_node: the per-device link between nodes; None only when ``nodes == 1``.
+      device_ids: the cluster ids of the group's devices, node-major: node ``k`` holds
+        ``device_ids[k * devices_per_node : (k + 1) * devices_per_node]``.
+    """
+
+    name: str
+    device: DeviceSpec
+    nodes: int
+    devices_per_node: int
+    intra_node: Link
+    inter_node: Link | None
+    device_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        where = Where(path=f"DeviceGroup({self.name!r})")
+        as_str(self.name, where.key("name"), what="a group name")
+        if not isinstance(self.device, DeviceSpec):
+            raise fail(
+                where.key("device"),
+                "device must be a DeviceSpec",
+                self.device,
+                "use shardplan.cluster.load_device(name_or_spec)",
+            )
+        as_int(self.nodes, where.key("nodes"), what="a node count")
+        as_int(self.devices_per_node, where.key("devices_per_node"), what="a device count per node")
+        for key in ("intra_node", "inter_node"):
+            link = getattr(self, key)
+            if link is not None and not isinstance(link, Link):
+                raise fail(
+                    where.key(key),
+                    f"{key} must be a Link",
+                    link,
+                    "use Link(bandwidth_bytes_per_s, latency_s)",
+                )
+        if self.inter_node is None and self.nodes > 1:
+            raise fail(
+                where.key("inter_node"),
+                f"the group has {self.nodes} nodes but no inter_node link",
+                {"nodes": self.nodes, "inter_node": None},
+                f"give inter_node: {LINK_HINT}",
+            )
+        ids = tuple(int(i) for i in self.device_ids)
+        if len(ids) != self.nodes * self.devices_per_node or len(set(ids)) != len(ids):
+            raise fail(
+                where.key("device_ids"),
+                f"expected {self.nodes} x {self.devices_per_node} distinct device ids",
+                ids,
+                "give one id per device, node by node",
+            )
+        object.__setattr__(self, "device_ids", ids)
+
+    @property
+    def num_devices(self) -> int:
+        """``nodes * devices_per_node``."""
+        return self.nodes * self.devices_per_node
+
+    def node_ids(self, node: int) -> tuple[int, ...]:
+        """The device ids of node ``node`` (0-based) of this group."""
+        if not 0 <= node < self.nodes:
+            raise ClusterError(
+                format_error(
+                    f"group {self.name!r} has no node {node}",
+                    where="node",
+                    value=node,
+                    remedy=f"use a node index in 0..{self.nodes - 1}",
+                )
+            )
+        start = node * self.devices_per_node
+        return self.device_ids[start : start + self.devices_per_node]
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupLink:
+    """The link between two particular groups, overriding ``Cluster.between_groups`` for them.
+
+    Attributes:
+      groups: the two group names (order does not matter).
+      link: the per-device link between them.
+    """
+
+    groups: tuple[str, str]
+    link: Link
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "groups", tuple(self.groups))
+        if not isinstance(self.link, Link):
+            raise fail(
+                Where(path=f"GroupLink({self.groups!r}).link"),
+                "link must be a Link",
+                self.link,
+                "use Link(bandwidth_bytes_per_s, latency_s)",
+            )

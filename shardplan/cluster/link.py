@@ -1,0 +1,90 @@
+"""Links between devices: bandwidth per direction per device, and latency (the α-β model).
+
+YAML writes a link as ``{bandwidth_GB_s, latency_us}`` (10^9 bytes/s, microseconds); a
+:class:`Link` holds SI units, ``bandwidth_bytes_per_s`` and ``latency_s``.
+
+Example:
+    >>> Link(25e9, 5e-6).transfer_time_s(1e9)  # 1 GB over one 200 Gb/s NIC
+    0.040005
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from shardplan.cluster._schema import Where, as_float, as_mapping, check_keys, short_float
+
+__all__ = ["Link", "parse_link"]
+
+_BYTES_PER_GB = 1e9
+"""Link bandwidths are written in GB/s, decimal (10^9 bytes/s), per direction, per device."""
+
+_US_PER_S = 1e6
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """A point-to-point link, as seen by one device: bandwidth per direction and latency.
+
+    Attributes:
+      bandwidth_bytes_per_s: bytes per second per direction per device (YAML: ``bandwidth_GB_s``,
+        10^9 bytes/s). For a node with one 200 Gb/s NIC per GPU this is 25e9.
+      latency_s: the per-message start-up time α of the α-β model (YAML: ``latency_us``).
+    """
+
+    bandwidth_bytes_per_s: float
+    latency_s: float
+
+    def __post_init__(self) -> None:
+        where = Where(path="Link")
+        as_float(
+            self.bandwidth_bytes_per_s,
+            where.key("bandwidth_bytes_per_s"),
+            what="a bandwidth in bytes/s",
+        )
+        as_float(
+            self.latency_s, where.key("latency_s"), what="a latency in seconds", allow_minimum=True
+        )
+
+    def transfer_time_s(self, num_bytes: float) -> float:
+        """α-β time to send ``num_bytes`` once over this link: ``latency + bytes / bandwidth``."""
+        return self.latency_s + num_bytes / self.bandwidth_bytes_per_s
+
+    def to_dict(self) -> dict[str, float]:
+        """The YAML form, ``{bandwidth_GB_s, latency_us}``."""
+        return {
+            "bandwidth_GB_s": short_float(self.bandwidth_bytes_per_s / _BYTES_PER_GB),
+            "latency_us": short_float(self.latency_s * _US_PER_S),
+        }
+
+
+def parse_link(value: object, where: Where) -> Link:
+    """Parses ``{bandwidth_GB_s, latency_us}`` into a :class:`Link`.
+
+    Raises:
+      ClusterError: not a mapping, an unknown key, a missing or non-positive bandwidth, or a
+        missing or negative latency.
+    """
+    link = as_mapping(value, where, what="a link {bandwidth_GB_s, latency_us}")
+    check_keys(
+        link,
+        where,
+        allowed=("bandwidth_GB_s", "latency_us"),
+        required=("bandwidth_GB_s", "latency_us"),
+        remedies={
+            "bandwidth_GB_s": "add 'bandwidth_GB_s: <GB/s per direction per device>' "
+            "(e.g. 300 for NVLink 3, 25 for one 200 Gb/s NIC per GPU)",
+            "latency_us": "add 'latency_us: <microseconds>' (e.g. 2 for NVLink, 5 for "
+            "InfiniBand, 25 for TCP over Ethernet)",
+        },
+    )
+    bandwidth = as_float(
+        link["bandwidth_GB_s"], where.key("bandwidth_GB_s"), what="a bandwidth in GB/s"
+    )
+    latency = as_float(
+        link["latency_us"],
+        where.key("latency_us"),
+        what="a latency in microseconds",
+        allow_minimum=True,
+    )
+    return Link(bandwidth * _BYTES_PER_GB, latency / _US_PER_S)

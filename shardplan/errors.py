@@ -1,0 +1,95 @@
+"""The error hierarchy every shardplan failure is reported through.
+
+Each error names *what* is wrong (field, key path, equation, mesh), *where* (file, source line),
+and *how to fix it*. Build messages with :func:`format_error` so they read the same everywhere.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "ClusterError",
+    "ConfigError",
+    "DataError",
+    "InfeasibleError",
+    "PipelineError",
+    "PlanMismatchError",
+    "RuntimeFailure",
+    "ShardplanError",
+    "ShardplanWarning",
+    "SolverError",
+    "TraceError",
+    "format_error",
+]
+
+
+def format_error(what: str, *, where: str | None = None, value: object = None,
+                 remedy: str | None = None, has_value: bool = False) -> str:
+    """Formats an error message as ``what`` + location + offending value + remedy.
+
+    Args:
+      what: one sentence saying what is wrong.
+      where: the field, key path, file or equation the problem is in.
+      value: the offending value (shown with ``repr``) when ``has_value`` is true or it is not None.
+      remedy: what the user should change.
+      has_value: show ``value`` even when it is None.
+
+    Returns:
+      A multi-line message.
+    """
+    lines = [what]
+    if where is not None:
+        lines.append(f"  where: {where}")
+    if has_value or value is not None:
+        lines.append(f"  value: {value!r}")
+    if remedy is not None:
+        lines.append(f"  fix:   {remedy}")
+    return "\n".join(lines)
+
+
+class ShardplanError(Exception):
+    """Base class of every error shardplan raises on purpose."""
+
+
+class ConfigError(ShardplanError, ValueError):
+    """A configuration file, key or value is invalid."""
+
+
+class ClusterError(ConfigError):
+    """A cluster description (YAML, dict or local devices) is invalid."""
+
+
+class TraceError(ShardplanError):
+    """A function could not be traced into an op graph."""
+
+
+class InfeasibleError(ShardplanError):
+    """No plan satisfies the constraints (memory, divisibility, device counts)."""
+
+
+class SolverError(ShardplanError):
+    """The solver failed or returned an error status."""
+
+
+class PlanMismatchError(ShardplanError):
+    """A plan does not belong to the graph, cluster or state it is applied to."""
+
+
+class PipelineError(ShardplanError):
+    """A train step cannot be partitioned into pipeline stages."""
+
+
+class CheckpointError(ShardplanError):
+    """A checkpoint is missing, corrupt, or belongs to another model."""
+
+
+class DataError(ShardplanError):
+    """Training data is missing or unusable."""
+
+
+class RuntimeFailure(ShardplanError):
+    """A run failed while executing (lost process, NaN loss, ...)."""
+
+
+class ShardplanWarning(UserWarning):
+    """Base class of shardplan's own warnings (tests turn them into errors)."""

@@ -1,0 +1,12 @@
+"""Test set-up: 8 fake CPU devices, configured before jax initialises its backend."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
