@@ -1,7 +1,8 @@
 """``shardplan`` command line: one subcommand per pipeline entry point.
 
 Subcommands:
-  trace   trace a model's train step into an op graph and print its summary.
+  trace       trace a model's train step into an op graph and print its summary.
+  calibrate   measure the local devices and write a calibrated device YAML.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Sequence
 
 from shardplan.errors import ShardplanError
 
-__all__ = ["TraceConfig", "main", "trace_main"]
+__all__ = ["CalibrateConfig", "TraceConfig", "calibrate_main", "main", "trace_main"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +65,34 @@ def trace_main(config: TraceConfig) -> int:
     return 0
 
 
+@dataclasses.dataclass(frozen=True)
+class CalibrateConfig:
+    """Options of ``shardplan calibrate``.
+
+    Attributes:
+      quick: small benchmark sizes (seconds on a CPU; too small to load a GPU).
+      device: the catalog entry to start from; default the local devices' type.
+      out: the YAML file to write; default ``calibrated/<device>.yaml``.
+    """
+
+    quick: bool = False
+    device: str | None = None
+    out: str | None = None
+
+
+def calibrate_main(config: CalibrateConfig) -> int:
+    """Runs the micro-benchmarks of :mod:`shardplan.cost.calibrate`, prints and writes them."""
+    from shardplan.cost.calibrate import calibrate, write_device_yaml
+
+    start = time.perf_counter()
+    calibration = calibrate(device=config.device, quick=config.quick)
+    path = write_device_yaml(calibration,
+                             config.out or f"calibrated/{calibration.base.name}.yaml")
+    print(calibration.summary())
+    print(f"wrote {path} in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardplan", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -78,6 +107,12 @@ def _parser() -> argparse.ArgumentParser:
                       help="Python loop over blocks")
     p.add_argument("--concrete", dest="abstract", action="store_false",
                    help="initialise real arrays instead of tracing abstractly")
+    c = sub.add_parser("calibrate", help="benchmark the local devices, write a device YAML")
+    c.add_argument("--quick", action="store_true", help="small sizes (seconds on CPU)")
+    c.add_argument("--device", default=None,
+                   help="catalog device to start from (default: the local device type)")
+    c.add_argument("--out", default=None,
+                   help="output YAML (default calibrated/<device>.yaml)")
     return parser
 
 
@@ -89,6 +124,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return trace_main(TraceConfig(model=args.model, batch=args.batch,
                                           seq_len=args.seq_len, scan_layers=args.scan_layers,
                                           abstract=args.abstract))
+        if args.command == "calibrate":
+            return calibrate_main(CalibrateConfig(quick=args.quick, device=args.device,
+                                                  out=args.out))
     except ShardplanError as e:
         print(f"shardplan {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ from shardplan.cluster.device import Efficiency as Efficiency
 from shardplan.cluster.group import DeviceGroup as DeviceGroup
 from shardplan.cluster.group import GroupLink as GroupLink
 from shardplan.cluster.link import Link as Link
+from shardplan.cluster.mesh import LogicalMesh as LogicalMesh
 
 __all__ = [
     "Cluster",
@@ -18,6 +19,7 @@ __all__ = [
     "Efficiency",
     "GroupLink",
     "Link",
+    "LogicalMesh",
     "catalog_names",
     "load_device",
 ]

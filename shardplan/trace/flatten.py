@@ -480,8 +480,22 @@ def _plain_attrs(primitive: str, params: Any) -> dict[str, Any]:
         return {"lhs_contract": tuple(lc), "rhs_contract": tuple(rc),
                 "lhs_batch": tuple(lb), "rhs_batch": tuple(rb)}
     out: dict[str, Any] = {}
+    dn = params.get("dimension_numbers")
+    if primitive == "gather" and dn is not None:
+        out.update(offset_dims=tuple(dn.offset_dims),
+                   collapsed_slice_dims=tuple(dn.collapsed_slice_dims),
+                   start_index_map=tuple(dn.start_index_map),
+                   operand_batching_dims=tuple(dn.operand_batching_dims),
+                   start_indices_batching_dims=tuple(dn.start_indices_batching_dims),
+                   slice_sizes=tuple(int(s) for s in params["slice_sizes"]))
+    elif primitive.startswith("scatter") and dn is not None:
+        out.update(update_window_dims=tuple(dn.update_window_dims),
+                   inserted_window_dims=tuple(dn.inserted_window_dims),
+                   scatter_dims_to_operand_dims=tuple(dn.scatter_dims_to_operand_dims),
+                   operand_batching_dims=tuple(dn.operand_batching_dims),
+                   scatter_indices_batching_dims=tuple(dn.scatter_indices_batching_dims))
     for key in ("axes", "axis", "dimensions", "permutation", "new_sizes",
-                "broadcast_dimensions", "shape"):
+                "broadcast_dimensions", "shape", "dimension"):
         if key in params:
             val = params[key]
             if isinstance(val, tuple | list):

@@ -1,0 +1,534 @@
+"""Collective communication times: the α-β ring model on a cluster's real links.
+
+All functions are pure (no jax), in seconds and bytes. A link is a
+:class:`~shardplan.cluster.Link`: ``bandwidth_bytes_per_s`` per direction per device and the
+per-message start-up time ``latency_s`` (α).
+
+**What B is.** The ring functions take ``nbytes`` = B, the size of the *full* buffer on one
+device, unsharded along the collective's axes:
+
+=================  ===========================================  ==============================
+collective         B                                            XLA result per device (HLO)
+=================  ===========================================  ==============================
+all-reduce         the buffer (input = output)                  B
+all-gather         the gathered *result*                        B
+reduce-scatter     the *input* (before scattering)              B / n
+all-to-all         the per-device buffer (input = output)       B
+collective-permute the buffer sent (= received)                 B
+=================  ===========================================  ==============================
+
+**Flat ring** over n devices (Thakur, Rabenseifner & Gropp, "Optimization of Collective
+Communication Operations in MPICH", IJHPCA 2005, §4; Patarasuk & Yuan, "Bandwidth optimal
+all-reduce algorithms for clusters of workstations", JPDC 2009)::
+
+    all-reduce           2(n−1)·α + 2(n−1)/n · B/bw
+    all-gather           (n−1)·α + (n−1)/n · B/bw
+    reduce-scatter       (n−1)·α + (n−1)/n · B/bw
+    all-to-all           (n−1)·α + (n−1)/n · B/bw      (pairwise exchange, B per device)
+    send/recv            α + B/bw
+    n == 1               0
+
+**Hierarchical** (a group of one device type spanning k nodes with m participants per node,
+n = k·m; the two-level decomposition of BlueConnect, Cho et al., SysML 2019, §3, and of
+Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE``; NCCL's multi-node rings have the same bandwidth
+term because every byte crossing nodes is first reduced inside the node). Intra-node steps use
+the node link (i), the cross-node step the per-device NIC link (e), all m NICs of a node in
+parallel, each carrying the 1/m shard its device owns::
+
+    reduce-scatter  RS_i(m, B)      then RS_e(k, B/m)
+        = (m−1)·α_i + (m−1)/m · B/bw_i  +  (k−1)·α_e + (k−1)/k · (B/m)/bw_e
+    all-gather      AG_e(k, B/m)    then AG_i(m, B)          (same total as reduce-scatter)
+    all-reduce      RS_i(m, B) + AR_e(k, B/m) + AG_i(m, B)
+        = 2(m−1)·α_i + 2(m−1)/m · B/bw_i  +  2(k−1)·α_e + 2(k−1)/k · (B/m)/bw_e
+    all-to-all      each device sends B/n to every other device: m−1 messages in the node,
+                    n−m across nodes, the two parts summed (an upper bound: they may overlap)
+        = (m−1)·α_i + (m−1)/n · B/bw_i  +  (n−m)·α_e + (k−1)/k · B/bw_e
+
+so hierarchical all-reduce = hierarchical reduce-scatter + all-gather, and with equal links
+every formula reduces to the flat ring's bandwidth term. With uneven participants per node
+the bound takes the largest per-node count for the intra-node steps and the smallest for the
+shard size across nodes.
+
+**Across device groups** (types) there is no hierarchy to exploit: the collective is a flat
+ring over all n devices in id order (NCCL lays rings out node by node, so contiguous ids
+share a node), and a pipelined ring runs at the pace of its slowest hop: the ring is costed on
+the *bottleneck link* — the lowest bandwidth and the highest latency of its hops
+(``Cluster.link_between``).
+
+**Efficiency.** :func:`collective_time_s` derates each link's bandwidth by the smallest
+``efficiency.collective`` of the device types in the group (achieved NCCL bus bandwidth over
+nominal link bandwidth); the ring functions take the link as given.
+
+Example:
+    >>> from shardplan.cluster import Link
+    >>> round(ring_all_reduce_s(8, 2**30, Link(300e9, 2e-6)) * 1e3, 4)  # 8 GPUs, 1 GiB, ms
+    6.2915
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+from shardplan.cluster import Cluster, Link, LogicalMesh
+from shardplan.errors import ClusterError, format_error
+
+__all__ = [
+    "COLLECTIVE_KINDS",
+    "CollectiveKind",
+    "LinkLevel",
+    "all_to_all_s",
+    "b_bytes_from_result",
+    "collective_time_s",
+    "hierarchical_all_gather_s",
+    "hierarchical_all_reduce_s",
+    "hierarchical_all_to_all_s",
+    "hierarchical_reduce_scatter_s",
+    "link_for_group",
+    "mesh_axis_links",
+    "mesh_collective_time_s",
+    "ring_all_gather_s",
+    "ring_all_reduce_s",
+    "ring_reduce_scatter_s",
+    "send_recv_s",
+]
+
+CollectiveKind = Literal[
+    "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"
+]
+"""XLA's names of the collectives (HLO opcodes, without ``-start`` / ``-done``)."""
+
+COLLECTIVE_KINDS: tuple[CollectiveKind, ...] = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+)
+
+LinkLevel = Literal["intra_node", "inter_node", "between_groups"]
+"""The physical level a set of devices spans: one node, several nodes of one device group, or
+several device groups."""
+
+_LEVEL_RANK: dict[LinkLevel, int] = {"intra_node": 0, "inter_node": 1, "between_groups": 2}
+
+
+# --------------------------------------------------------------------------------------------
+# flat ring (B convention)
+
+
+def _check(n: int, nbytes: float) -> None:
+    if n < 1 or nbytes < 0:
+        raise ClusterError(
+            format_error(
+                "a collective needs n >= 1 devices and nbytes >= 0",
+                where="shardplan.cost.collectives",
+                value={"n": n, "nbytes": nbytes},
+                remedy="pass the number of participating devices and a byte count >= 0",
+            )
+        )
+
+
+def _ring_steps_s(steps: int, n: int, nbytes: float, link: Link) -> float:
+    """``steps`` ring passes: ``steps·(n−1)·α + steps·(n−1)/n · B/bw``; 0 when ``n == 1``."""
+    _check(n, nbytes)
+    if n == 1:
+        return 0.0
+    return steps * (n - 1) * (link.latency_s + nbytes / (n * link.bandwidth_bytes_per_s))
+
+
+def ring_all_reduce_s(n: int, nbytes: float, link: Link) -> float:
+    """Ring all-reduce time: ``2(n−1)·α + 2(n−1)/n · B/bw`` (Thakur et al. 2005, §4.5).
+
+    Args:
+      n: devices in the ring.
+      nbytes: B, the buffer size on each device (input = output).
+      link: the ring's link (per-direction bandwidth per device, latency α).
+
+    Returns:
+      Seconds; 0 for ``n == 1``.
+
+    Example:
+        >>> round(ring_all_reduce_s(8, 2**30, Link(300e9, 2e-6)) * 1e3, 4)
+        6.2915
+    """
+    return _ring_steps_s(2, n, nbytes, link)
+
+
+def ring_all_gather_s(n: int, nbytes: float, link: Link) -> float:
+    """Ring all-gather time: ``(n−1)·α + (n−1)/n · B/bw`` (Thakur et al. 2005, §4.1).
+
+    Args:
+      n: devices in the ring.
+      nbytes: B, the size of the gathered *result* on each device (each holds B/n before).
+      link: the ring's link.
+
+    Returns:
+      Seconds; 0 for ``n == 1``.
+    """
+    return _ring_steps_s(1, n, nbytes, link)
+
+
+def ring_reduce_scatter_s(n: int, nbytes: float, link: Link) -> float:
+    """Ring reduce-scatter time: ``(n−1)·α + (n−1)/n · B/bw`` (Thakur et al. 2005, §4.4).
+
+    Args:
+      n: devices in the ring.
+      nbytes: B, the size of the *input* on each device (each keeps B/n of the sum).
+      link: the ring's link.
+
+    Returns:
+      Seconds; 0 for ``n == 1``.
+    """
+    return _ring_steps_s(1, n, nbytes, link)
+
+
+def all_to_all_s(n: int, nbytes: float, link: Link) -> float:
+    """All-to-all time, pairwise exchange: ``(n−1)·α + (n−1)/n · B/bw`` (Thakur et al. 2005,
+    §4.3).
+
+    Args:
+      n: devices taking part.
+      nbytes: B, the per-device buffer; B/n goes to each device (one part stays).
+      link: the link every pair exchanges over.
+
+    Returns:
+      Seconds; 0 for ``n == 1``.
+    """
+    return _ring_steps_s(1, n, nbytes, link)
+
+
+def send_recv_s(nbytes: float, link: Link) -> float:
+    """Point-to-point time ``α + B/bw`` (every device sends and receives B at once).
+
+    Args:
+      nbytes: B, the bytes each device sends.
+      link: the link between sender and receiver.
+    """
+    _check(1, nbytes)
+    return link.transfer_time_s(nbytes)
+
+
+# --------------------------------------------------------------------------------------------
+# two-level (node, then across nodes) decompositions, B convention
+
+
+def hierarchical_reduce_scatter_s(
+    nodes: int, per_node: int, nbytes: float, intra: Link, inter: Link
+) -> float:
+    """Reduce-scatter inside each node, then across nodes on the 1/m shards (BlueConnect §3).
+
+    ``(m−1)·α_i + (m−1)/m · B/bw_i + (k−1)·α_e + (k−1)/k · (B/m)/bw_e`` with k = ``nodes``,
+    m = ``per_node``.
+
+    Args:
+      nodes: k, nodes taking part.
+      per_node: m, participants in each node.
+      nbytes: B, the input size on each device.
+      intra: the link inside a node.
+      inter: the per-device link between nodes (one NIC per device, all used at once).
+    """
+    shard_bytes = nbytes / per_node
+    return ring_reduce_scatter_s(per_node, nbytes, intra) + ring_reduce_scatter_s(
+        nodes, shard_bytes, inter
+    )
+
+
+def hierarchical_all_gather_s(
+    nodes: int, per_node: int, nbytes: float, intra: Link, inter: Link
+) -> float:
+    """All-gather across nodes (of the 1/m shards), then inside each node (BlueConnect §3).
+
+    The mirror image of :func:`hierarchical_reduce_scatter_s`, same time.
+
+    Args:
+      nodes: k, nodes taking part.
+      per_node: m, participants in each node.
+      nbytes: B, the gathered result size on each device.
+      intra: the link inside a node.
+      inter: the per-device link between nodes.
+    """
+    shard_bytes = nbytes / per_node
+    return ring_all_gather_s(nodes, shard_bytes, inter) + ring_all_gather_s(per_node, nbytes, intra)
+
+
+def hierarchical_all_reduce_s(
+    nodes: int, per_node: int, nbytes: float, intra: Link, inter: Link
+) -> float:
+    """Reduce-scatter in the node, all-reduce of the 1/m shards across nodes, all-gather in the
+    node (BlueConnect, Cho et al. 2019, §3; Horovod hierarchical all-reduce).
+
+    ``2(m−1)·α_i + 2(m−1)/m · B/bw_i + 2(k−1)·α_e + 2(k−1)/k · (B/m)/bw_e``.
+
+    Args:
+      nodes: k, nodes taking part.
+      per_node: m, participants in each node.
+      nbytes: B, the buffer on each device.
+      intra: the link inside a node.
+      inter: the per-device link between nodes.
+    """
+    shard_bytes = nbytes / per_node
+    return (
+        ring_reduce_scatter_s(per_node, nbytes, intra)
+        + ring_all_reduce_s(nodes, shard_bytes, inter)
+        + ring_all_gather_s(per_node, nbytes, intra)
+    )
+
+
+def hierarchical_all_to_all_s(
+    nodes: int, per_node: int, nbytes: float, intra: Link, inter: Link
+) -> float:
+    """Pairwise all-to-all with each message on its own level, the levels summed.
+
+    Each device sends B/n to each of the other n−1 devices (n = k·m): m−1 messages in the
+    node, n−m across nodes, ``(m−1)·α_i + (m−1)/n · B/bw_i + (n−m)·α_e + (k−1)/k · B/bw_e``.
+    Summing is an upper bound (NVLink and NIC transfers can overlap); with equal links it is
+    :func:`all_to_all_s`.
+
+    Args:
+      nodes: k, nodes taking part.
+      per_node: m, participants in each node.
+      nbytes: B, the per-device buffer.
+      intra: the link inside a node.
+      inter: the per-device link between nodes.
+    """
+    _check(nodes * per_node, nbytes)
+    n = nodes * per_node
+    intra_s = (per_node - 1) * (intra.latency_s + nbytes / (n * intra.bandwidth_bytes_per_s))
+    inter_s = (n - per_node) * (inter.latency_s + nbytes / (n * inter.bandwidth_bytes_per_s))
+    return intra_s + inter_s
+
+
+# --------------------------------------------------------------------------------------------
+# groups of device ids on a cluster
+
+
+def _checked_group(group: Sequence[int], cluster: Cluster) -> tuple[int, ...]:
+    ids = tuple(int(i) for i in group)
+    if not ids or len(set(ids)) != len(ids):
+        raise ClusterError(
+            format_error(
+                "a collective's group must list distinct device ids, at least one",
+                where=f"collective group on cluster {cluster.name!r}",
+                value=ids,
+                remedy="pass the device ids taking part, each once (e.g. mesh.groups(axes)[0])",
+            )
+        )
+    for device_id in ids:
+        cluster.node_of(device_id)  # raises ClusterError naming an unknown id
+    return ids
+
+
+def _level(ids: tuple[int, ...], cluster: Cluster) -> LinkLevel:
+    if len({cluster.group_of(i).name for i in ids}) > 1:
+        return "between_groups"
+    if len({cluster.node_of(i) for i in ids}) > 1:
+        return "inter_node"
+    return "intra_node"
+
+
+def _bottleneck_link(ids: tuple[int, ...], cluster: Cluster) -> Link:
+    """The slowest hop of a ring over ``ids`` in id order: min bandwidth, max latency."""
+    ring = sorted(ids)
+    hops = [cluster.link_between(a, b) for a, b in zip(ring, ring[1:] + ring[:1], strict=True)]
+    return Link(min(h.bandwidth_bytes_per_s for h in hops), max(h.latency_s for h in hops))
+
+
+def link_for_group(group: Sequence[int], cluster: Cluster) -> tuple[LinkLevel, Link]:
+    """The physical level a device group spans and the link that bounds its collectives.
+
+    Args:
+      group: the participating device ids.
+      cluster: the cluster they belong to.
+
+    Returns:
+      ``("intra_node", group's intra_node link)`` when all devices share a node (also for a
+      single device); ``("inter_node", group's inter_node link)`` — the NIC — when they span
+      nodes of one device group (collectives are then costed hierarchically, see the module
+      docstring); ``("between_groups", bottleneck link)`` when they span device groups: the
+      lowest bandwidth and highest latency of the hops of a ring in id order.
+
+    Raises:
+      ClusterError: an empty group, a repeated or unknown device id.
+
+    Example:
+        >>> c = Cluster.from_yaml("configs/clusters/a100x8_v100x8.yaml")
+        >>> link_for_group([0, 1, 2, 3], c)[0], link_for_group([6, 7, 8, 9], c)[0]
+        ('intra_node', 'between_groups')
+    """
+    ids = _checked_group(group, cluster)
+    level = _level(ids, cluster)
+    if level == "between_groups":
+        return level, _bottleneck_link(ids, cluster)
+    device_group = cluster.group_of(ids[0])
+    if level == "inter_node":
+        assert device_group.inter_node is not None  # a multi-node group always has one
+        return level, device_group.inter_node
+    return level, device_group.intra_node
+
+
+def _derated(link: Link, efficiency: float) -> Link:
+    return Link(link.bandwidth_bytes_per_s * efficiency, link.latency_s)
+
+
+def _collective_efficiency(ids: tuple[int, ...], cluster: Cluster) -> float:
+    return min(cluster.group_of(i).device.efficiency.collective for i in ids)
+
+
+def b_bytes_from_result(kind: CollectiveKind, result_bytes_per_device: float, n: int) -> float:
+    """Converts XLA's per-device *result* size of a collective to the B of the ring formulas.
+
+    Only reduce-scatter differs: its result is B/n, so B = n · result. (All-gather's result is
+    the gathered buffer, all-reduce's / all-to-all's / collective-permute's equal their input.)
+
+    Raises:
+      ClusterError: an unknown kind.
+    """
+    if kind not in COLLECTIVE_KINDS:
+        raise ClusterError(
+            format_error(
+                f"unknown collective kind {kind!r}",
+                where="collective_time_s(kind=...)",
+                value=kind,
+                remedy=f"use one of {', '.join(COLLECTIVE_KINDS)}",
+            )
+        )
+    return result_bytes_per_device * n if kind == "reduce-scatter" else result_bytes_per_device
+
+
+def _per_node_counts(ids: tuple[int, ...], cluster: Cluster) -> tuple[int, int, int]:
+    """``(k nodes, smallest, largest participants per node)``."""
+    counts: dict[int, int] = {}
+    for device_id in ids:
+        node = cluster.node_of(device_id)
+        counts[node] = counts.get(node, 0) + 1
+    return len(counts), min(counts.values()), max(counts.values())
+
+
+def _hierarchical_s(
+    kind: CollectiveKind, nbytes: float, ids: tuple[int, ...], cluster: Cluster, eff: float
+) -> float:
+    """A collective of one device group across nodes (module docstring, "Hierarchical")."""
+    group = cluster.group_of(ids[0])
+    assert group.inter_node is not None
+    intra, inter = _derated(group.intra_node, eff), _derated(group.inter_node, eff)
+    nodes, fewest, most = _per_node_counts(ids, cluster)
+    if kind == "all-to-all":
+        return hierarchical_all_to_all_s(nodes, most, nbytes, intra, inter)
+    # Uneven nodes: the intra-node steps of the fullest node, the cross-node shards of the
+    # emptiest (the larger shard); both bound the real time from above.
+    intra_steps = {"all-reduce": 2, "all-gather": 1, "reduce-scatter": 1}[kind]
+    intra_s = _ring_steps_s(intra_steps, most, nbytes, intra)
+    shard_bytes = nbytes / fewest
+    if kind == "all-reduce":
+        return intra_s + ring_all_reduce_s(nodes, shard_bytes, inter)
+    return intra_s + ring_all_gather_s(nodes, shard_bytes, inter)
+
+
+def collective_time_s(
+    kind: CollectiveKind,
+    result_bytes_per_device: float,
+    group: Sequence[int],
+    cluster: Cluster,
+    *,
+    use_efficiency: bool = True,
+) -> float:
+    """Time of one collective over ``group`` on ``cluster``, in XLA's byte convention.
+
+    Args:
+      kind: ``all-reduce``, ``all-gather``, ``reduce-scatter``, ``all-to-all`` or
+        ``collective-permute``.
+      result_bytes_per_device: the size of the HLO instruction's result on one device (for
+        reduce-scatter 1/n of its input; see :func:`b_bytes_from_result`).
+      group: the participating device ids (one replica group). For ``collective-permute``,
+        the devices of a ring shift ``group[i] -> group[i+1]``; the slowest hop bounds it.
+      cluster: the cluster the ids belong to.
+      use_efficiency: derate link bandwidths by the group's smallest ``efficiency.collective``.
+
+    Returns:
+      Seconds: a flat ring inside one node, the hierarchical decomposition across nodes of one
+      device group, a flat ring on the bottleneck link across device groups; 0 for one device.
+
+    Raises:
+      ClusterError: an unknown kind, an empty group, a repeated or unknown device id.
+
+    Example:
+        >>> c = Cluster.from_yaml("configs/clusters/dgx-a100.yaml")
+        >>> t = collective_time_s("all-gather", 2**20, range(8), c, use_efficiency=False)
+        >>> round(t * 1e6, 2)  # 7·2 µs + 7/8 · 1 MiB / 300 GB/s
+        17.06
+    """
+    ids = _checked_group(group, cluster)
+    n = len(ids)
+    nbytes = b_bytes_from_result(kind, result_bytes_per_device, n)
+    if n == 1:
+        return 0.0
+    eff = _collective_efficiency(ids, cluster) if use_efficiency else 1.0
+    if kind == "collective-permute":
+        hops = [cluster.link_between(a, b) for a, b in zip(ids, ids[1:] + ids[:1], strict=True)]
+        return max(send_recv_s(nbytes, _derated(h, eff)) for h in hops)
+    level, link = link_for_group(ids, cluster)
+    if level == "inter_node":
+        return _hierarchical_s(kind, nbytes, ids, cluster, eff)
+    flat = {
+        "all-reduce": ring_all_reduce_s,
+        "all-gather": ring_all_gather_s,
+        "reduce-scatter": ring_reduce_scatter_s,
+        "all-to-all": all_to_all_s,
+    }[kind]
+    return flat(n, nbytes, _derated(link, eff))
+
+
+# --------------------------------------------------------------------------------------------
+# mesh axes
+
+
+def mesh_axis_links(mesh: LogicalMesh, cluster: Cluster) -> dict[str, LinkLevel]:
+    """Which physical level each mesh axis spans (the widest over the axis's device groups).
+
+    An axis whose groups each stay in one node is ``intra_node``; one whose groups span nodes
+    of one device group ``inter_node``; one whose groups mix device groups ``between_groups``.
+    A size-1 axis is ``intra_node``.
+
+    Example:
+        >>> c = Cluster.from_yaml("configs/clusters/a100x8_v100x8.yaml")
+        >>> mesh_axis_links(LogicalMesh(("pipe", "model"), (2, 8), tuple(range(16))), c)
+        {'pipe': 'between_groups', 'model': 'intra_node'}
+    """
+    out: dict[str, LinkLevel] = {}
+    for axis in mesh.axis_names:
+        levels = [_level(_checked_group(g, cluster), cluster) for g in mesh.groups((axis,))]
+        out[axis] = max(levels, key=_LEVEL_RANK.__getitem__)
+    return out
+
+
+def mesh_collective_time_s(
+    kind: CollectiveKind,
+    result_bytes_per_device: float,
+    mesh: LogicalMesh,
+    axes: str | Sequence[str],
+    cluster: Cluster,
+    *,
+    use_efficiency: bool = True,
+) -> float:
+    """Time of a collective over mesh ``axes``: all its groups run at once; the slowest bounds.
+
+    Args:
+      kind: the collective (see :func:`collective_time_s`).
+      result_bytes_per_device: XLA's per-device result size.
+      mesh: the logical mesh over the cluster's device ids.
+      axes: the axis or axes the collective runs over.
+      cluster: the cluster.
+      use_efficiency: derate link bandwidths by ``efficiency.collective``.
+
+    Example:
+        >>> c = Cluster.from_yaml("configs/clusters/dgx-a100.yaml")
+        >>> m = LogicalMesh(("data", "model"), (2, 4), tuple(range(8)))
+        >>> mesh_collective_time_s("all-reduce", 0, m, "model", c) * 1e6  # 2·3·2 µs
+        12.0
+    """
+    names = (axes,) if isinstance(axes, str) else tuple(axes)
+    return max(
+        collective_time_s(kind, result_bytes_per_device, g, cluster, use_efficiency=use_efficiency)
+        for g in mesh.groups(names)
+    )
