@@ -1,28 +1,28 @@
 """Reading compiled XLA programs: HLO text, collectives, flops, memory, shardings."""
 
-from shardplan.xla.hlo import ArrayShape as ArrayShape
+from shardplan.xla.collectives import COLLECTIVE_KINDS as COLLECTIVE_KINDS
+from shardplan.xla.collectives import Collective as Collective
+from shardplan.xla.collectives import Collectives as Collectives
+from shardplan.xla.collectives import find_collectives as find_collectives
+from shardplan.xla.flops import hlo_flops as hlo_flops
 from shardplan.xla.hlo import CallSite as CallSite
 from shardplan.xla.hlo import Computation as Computation
 from shardplan.xla.hlo import HloModule as HloModule
 from shardplan.xla.hlo import Instruction as Instruction
 from shardplan.xla.hlo import Loop as Loop
-from shardplan.xla.hlo import Shape as Shape
-from shardplan.xla.hlo import TupleShape as TupleShape
 from shardplan.xla.hlo import parse_hlo as parse_hlo
 from shardplan.xla.hlo import parse_hlo_module as parse_hlo_module
-from shardplan.xla.hlo import parse_replica_groups as parse_replica_groups
-from shardplan.xla.hlo import parse_shape as parse_shape
-from shardplan.xla.hlo import parse_source_target_pairs as parse_source_target_pairs
-from shardplan.xla.report import COLLECTIVE_KINDS as COLLECTIVE_KINDS
-from shardplan.xla.report import Collective as Collective
-from shardplan.xla.report import Collectives as Collectives
+from shardplan.xla.replica_groups import parse_replica_groups as parse_replica_groups
+from shardplan.xla.replica_groups import parse_source_target_pairs as parse_source_target_pairs
 from shardplan.xla.report import CompiledReport as CompiledReport
 from shardplan.xla.report import HloReport as HloReport
 from shardplan.xla.report import MemoryReport as MemoryReport
-from shardplan.xla.report import find_collectives as find_collectives
-from shardplan.xla.report import hlo_flops as hlo_flops
 from shardplan.xla.report import read_compiled as read_compiled
 from shardplan.xla.report import read_hlo_text as read_hlo_text
+from shardplan.xla.shapes import ArrayShape as ArrayShape
+from shardplan.xla.shapes import Shape as Shape
+from shardplan.xla.shapes import TupleShape as TupleShape
+from shardplan.xla.shapes import parse_shape as parse_shape
 
 __all__ = [
     "COLLECTIVE_KINDS",

@@ -13,7 +13,9 @@ each device. This module turns that text into plain values:
   ``known_trip_count`` and each computation's *execution multiplier*: how many times it runs
   per execution of the entry computation.
 
-Replica groups are expanded from all three syntaxes XLA prints (:func:`parse_replica_groups`).
+Shapes are parsed by :mod:`shardplan.xla.shapes`, replica groups and source-target pairs by
+:mod:`shardplan.xla.replica_groups` (all three syntaxes XLA prints); their public names are
+re-exported here.
 
 The parser never raises on text it does not understand: unknown opcodes and attributes are
 kept verbatim, lines that are not instructions are skipped.
@@ -31,13 +33,20 @@ Example:
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-import numpy as np
+from shardplan.xla.metadata import parse_frame_tables, parse_metadata, source_of
+from shardplan.xla.replica_groups import parse_replica_groups as parse_replica_groups
+from shardplan.xla.replica_groups import parse_source_target_pairs as parse_source_target_pairs
+from shardplan.xla.shapes import ArrayShape as ArrayShape
+from shardplan.xla.shapes import Shape as Shape
+from shardplan.xla.shapes import TupleShape as TupleShape
+from shardplan.xla.shapes import parse_shape as parse_shape
+from shardplan.xla.text import parse_int_list as parse_int_list
+from shardplan.xla.text import split_top_level, strip_comments, take_balanced, take_shape_text
 
 __all__ = [
     "ArrayShape",
@@ -57,219 +66,6 @@ __all__ = [
 ]
 
 # --------------------------------------------------------------------------------------------
-# Shapes
-# --------------------------------------------------------------------------------------------
-
-_ARRAY_SHAPE_RE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
-_PACKED_BITS_RE = re.compile(r"E\((\d+)\)")
-_ZERO_SIZE_TYPES = frozenset({"token", "opaque"})
-
-
-def _element_bits(dtype: str) -> int:
-    """Bits of one element of an HLO element type: the first number in its name.
-
-    ``f32`` → 32, ``bf16`` → 16, ``c64`` → 64, ``f8e4m3fn`` → 8, ``s4`` → 4; ``pred`` is
-    stored in one byte; ``token`` / ``opaque`` (and anything unknown) occupy no bytes.
-    """
-    if dtype == "pred":
-        return 8
-    match = re.search(r"\d+", dtype)
-    if dtype in _ZERO_SIZE_TYPES or match is None:
-        return 0
-    return int(match.group())
-
-
-@dataclass(frozen=True)
-class ArrayShape:
-    """One array: element type and dimensions, as printed in HLO (``f32[2,3]{1,0}``).
-
-    Attributes:
-      dtype: the HLO element type name (``f32``, ``bf16``, ``s32``, ``pred``, ...).
-      dims: the dimension sizes (dynamic ``<=N`` dimensions take their bound N).
-      packed_bits: bits per element when the layout packs sub-byte types (``E(4)``), else None.
-    """
-
-    dtype: str
-    dims: tuple[int, ...]
-    packed_bits: int | None = None
-
-    @property
-    def rank(self) -> int:
-        """The number of dimensions."""
-        return len(self.dims)
-
-    @property
-    def num_elements(self) -> int:
-        """The number of elements (1 for a scalar)."""
-        return math.prod(self.dims)
-
-    @property
-    def byte_size(self) -> int:
-        """Bytes the array occupies, as ``ShapeUtil::ByteSizeOf``: whole bytes per element
-        (sub-byte types take one byte each) unless the layout packs them."""
-        if self.packed_bits is not None:
-            return -(-self.num_elements * self.packed_bits // 8)
-        return self.num_elements * -(-_element_bits(self.dtype) // 8)
-
-    def leaves(self) -> tuple[ArrayShape, ...]:
-        """The arrays in this shape: itself."""
-        return (self,)
-
-    def __str__(self) -> str:
-        return f"{self.dtype}[{','.join(map(str, self.dims))}]"
-
-
-@dataclass(frozen=True)
-class TupleShape:
-    """A tuple of shapes, ``(f32[2]{0}, (s32[], u32[]))``.
-
-    Attributes:
-      elements: the element shapes, possibly tuples themselves.
-    """
-
-    elements: tuple[Shape, ...]
-
-    @property
-    def num_elements(self) -> int:
-        """The number of array elements over all leaves."""
-        return sum(leaf.num_elements for leaf in self.leaves())
-
-    @property
-    def byte_size(self) -> int:
-        """Bytes of all leaf arrays (the tuple's index table is not counted)."""
-        return sum(leaf.byte_size for leaf in self.leaves())
-
-    def leaves(self) -> tuple[ArrayShape, ...]:
-        """The arrays in this shape, depth first, in order."""
-        return tuple(leaf for element in self.elements for leaf in element.leaves())
-
-    def __str__(self) -> str:
-        return f"({', '.join(map(str, self.elements))})"
-
-
-Shape = ArrayShape | TupleShape
-
-
-def parse_shape(text: str) -> Shape:
-    """Parses an HLO shape such as ``f32[2,3]{1,0}``, ``s32[]`` or ``(f32[2]{0}, u32[])``.
-
-    Args:
-      text: the shape text; layouts and ``/*index=N*/`` comments are allowed.
-
-    Returns:
-      An :class:`ArrayShape` or a :class:`TupleShape`.
-
-    Raises:
-      ValueError: if ``text`` is not a shape.
-    """
-    text = _strip_comments(text).strip()
-    if text.startswith("("):
-        inner, _ = _take_balanced(text, 0)
-        parts = [p for p in _split_top_level(inner) if p.strip()]
-        return TupleShape(tuple(parse_shape(p) for p in parts))
-    match = _ARRAY_SHAPE_RE.match(text)
-    if match is None:
-        raise ValueError(f"not an HLO shape: {text!r}")
-    dims = tuple(_parse_dim(d) for d in match.group(2).split(",") if d.strip())
-    packed = _PACKED_BITS_RE.search(text[match.end() :])
-    return ArrayShape(match.group(1), dims, int(packed.group(1)) if packed else None)
-
-
-def _parse_dim(text: str) -> int:
-    """A dimension: ``8``, a dynamic bound ``<=8`` (→ 8), or unbounded ``?`` (→ 0)."""
-    digits = text.strip().removeprefix("<=")
-    return int(digits) if digits.isdigit() else 0
-
-
-# --------------------------------------------------------------------------------------------
-# Low-level text scanning
-# --------------------------------------------------------------------------------------------
-
-_OPEN_TO_CLOSE = {"(": ")", "[": "]", "{": "}"}
-_CLOSERS = frozenset(_OPEN_TO_CLOSE.values())
-
-
-_STRING_OR_COMMENT_RE = re.compile(r'"(?:[^"\\]|\\.)*"|/\*.*?\*/')
-
-
-def _strip_comments(text: str) -> str:
-    """Removes ``/* ... */`` comments (``/*index=5*/``) that lie outside double-quoted strings."""
-    if "/*" not in text:
-        return text
-    return _STRING_OR_COMMENT_RE.sub(lambda m: m.group() if m.group().startswith('"') else "", text)
-
-
-_SCAN_RE = re.compile(r'"(?:[^"\\]|\\.)*"?|[()\[\]{},]')
-"""A double-quoted string (skipped whole), a bracket or a comma."""
-_SCAN_WITH_SPACES_RE = re.compile(r'"(?:[^"\\]|\\.)*"?|[()\[\]{},\s]')
-
-
-def _scan(text: str, start: int = 0, *, spaces: bool = False) -> Iterator[tuple[int, str, int]]:
-    """Yields ``(index, char, depth)`` for brackets and commas (and whitespace, if ``spaces``)
-    outside double-quoted strings.
-
-    ``depth`` counts the brackets ``( [ {`` open *before* the character (a closing bracket
-    reports the depth inside it).
-    """
-    depth = 0
-    pattern = _SCAN_WITH_SPACES_RE if spaces else _SCAN_RE
-    for match in pattern.finditer(text, start):
-        ch = match.group()
-        if ch[0] == '"':
-            continue
-        if ch in _OPEN_TO_CLOSE:
-            yield match.start(), ch, depth
-            depth += 1
-        elif ch in _CLOSERS:
-            yield match.start(), ch, depth
-            depth = max(depth - 1, 0)
-        else:
-            yield match.start(), ch, depth
-
-
-def _take_balanced(text: str, start: int) -> tuple[str, int]:
-    """Returns the text inside the bracket at ``start`` and the index after its closer.
-
-    An unclosed bracket takes the rest of the text.
-    """
-    for i, ch, depth in _scan(text, start + 1):
-        if ch in _CLOSERS and depth == 0:
-            return text[start + 1 : i], i + 1
-    return text[start + 1 :], len(text)
-
-
-def _split_top_level(text: str) -> list[str]:
-    """Splits ``text`` at commas outside brackets and strings."""
-    parts: list[str] = []
-    last = 0
-    for i, ch, depth in _scan(text):
-        if ch == "," and depth == 0:
-            parts.append(text[last:i])
-            last = i + 1
-    parts.append(text[last:])
-    return parts
-
-
-def _take_shape_text(text: str) -> tuple[str, str]:
-    """Splits ``text`` into the leading shape and the rest (a tuple or an array + layout)."""
-    text = text.lstrip()
-    if text.startswith("("):
-        _, end = _take_balanced(text, 0)
-        return text[:end], text[end:]
-    for i, ch, depth in _scan(text, spaces=True):
-        if ch.isspace() and depth == 0:
-            return text[:i], text[i:]
-    return text, ""
-
-
-def parse_int_list(text: str | None) -> tuple[int, ...]:
-    """Parses ``{0,1}`` / ``[2,4]`` / ``1,0`` into a tuple of ints; ``None`` gives ``()``."""
-    if not text:
-        return ()
-    return tuple(int(x) for x in re.findall(r"-?\d+", text))
-
-
-# --------------------------------------------------------------------------------------------
 # Instructions and computations
 # --------------------------------------------------------------------------------------------
 
@@ -277,7 +73,6 @@ _INSTRUCTION_RE = re.compile(r"\s*(ROOT\s+)?%?([^\s=(),]+)\s*=\s*")
 _OPCODE_RE = re.compile(r"\s*([a-z][a-z0-9\-_]*)\(")
 _COMPUTATION_RE = re.compile(r"\s*(ENTRY\s+)?%?([^\s(=]+)\s*(\(.*)?\{\s*$")
 _MODULE_RE = re.compile(r"^\s*HloModule\s+([^\s,]+)(.*)$")
-_METADATA_FIELD_RE = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|[^\s}]+)')
 _NAME_RE = re.compile(r"^[\w.\-]+$")
 _TRIP_COUNT_RE = re.compile(r'known_trip_count\\?"\s*:\s*\{\s*\\?"n\\?"\s*:\s*\\?"?(\d+)')
 _NO_OPERAND_OPCODES = frozenset({"constant", "parameter", "iota"})
@@ -463,18 +258,6 @@ class HloModule:
         return tuple(site for site in self.call_sites if site.caller == computation)
 
 
-def _parse_metadata(text: str | None) -> dict[str, str]:
-    """Parses ``{op_name="..." source_line=3 ...}`` into a dict of unquoted strings."""
-    if not text:
-        return {}
-    fields: dict[str, str] = {}
-    for key, value in _METADATA_FIELD_RE.findall(text):
-        if value.startswith('"'):
-            value = re.sub(r"\\(.)", r"\1", value[1:-1])
-        fields[key] = value
-    return fields
-
-
 def _parse_operands(opcode: str, text: str) -> tuple[str, ...]:
     """Operand names from the text inside ``opcode(...)``.
 
@@ -484,7 +267,7 @@ def _parse_operands(opcode: str, text: str) -> tuple[str, ...]:
     if opcode in _NO_OPERAND_OPCODES:
         return ()
     names: list[str] = []
-    for part in _split_top_level(text):
+    for part in split_top_level(text):
         tokens = part.split()
         if not tokens:
             continue
@@ -498,7 +281,7 @@ def _parse_attributes(text: str) -> dict[str, str]:
     """``, key=value, key=value`` after the operand list → ``{key: raw value}``."""
     attributes: dict[str, str] = {}
     last_key = ""
-    for part in _split_top_level(text):
+    for part in split_top_level(text):
         key, sep, value = part.strip().partition("=")
         key = key.strip()
         if key == "device_ids" and attributes.get(last_key, "").startswith("mesh["):
@@ -517,7 +300,7 @@ def _parse_instruction(
     head = _INSTRUCTION_RE.match(line)
     if head is None:
         return None
-    shape_text, rest = _take_shape_text(line[head.end() :])
+    shape_text, rest = take_shape_text(line[head.end() :])
     opcode_match = _OPCODE_RE.match(rest)
     if opcode_match is None:
         return None
@@ -526,9 +309,9 @@ def _parse_instruction(
     except ValueError:
         return None
     opcode = opcode_match.group(1)
-    operand_text, end = _take_balanced(rest, opcode_match.end() - 1)
+    operand_text, end = take_balanced(rest, opcode_match.end() - 1)
     attributes = _parse_attributes(rest[end:])
-    metadata = _parse_metadata(attributes.get("metadata"))
+    metadata = parse_metadata(attributes.get("metadata"))
     return Instruction(
         name=head.group(2),
         opcode=opcode,
@@ -538,54 +321,8 @@ def _parse_instruction(
         computation=computation,
         is_root=head.group(1) is not None,
         op_name=metadata.get("op_name"),
-        source=_source_of(metadata, frames),
+        source=source_of(metadata, frames),
     )
-
-
-def _source_of(metadata: Mapping[str, str], frames: Mapping[int, str]) -> str | None:
-    """``file:line`` from ``source_file``/``source_line`` or from ``stack_frame_id``."""
-    if "source_file" in metadata:
-        line = metadata.get("source_line")
-        return f"{metadata['source_file']}:{line}" if line else metadata["source_file"]
-    frame = metadata.get("stack_frame_id", "")
-    return frames.get(int(frame)) if frame.isdigit() else None
-
-
-# --------------------------------------------------------------------------------------------
-# Stack-frame tables (FileNames / FunctionNames / FileLocations / StackFrames)
-# --------------------------------------------------------------------------------------------
-
-_TABLE_NAMES = frozenset({"FileNames", "FunctionNames", "FileLocations", "StackFrames"})
-_TABLE_ROW_RE = re.compile(r"^\s*(\d+)\s+(.*?)\s*$")
-
-
-def _parse_frame_tables(lines: Sequence[str]) -> dict[int, str]:
-    """Maps each ``stack_frame_id`` to the ``file:line`` of its own location."""
-    tables: dict[str, dict[int, str]] = {name: {} for name in _TABLE_NAMES}
-    current: dict[int, str] | None = None
-    for line in lines:
-        stripped = line.strip()
-        if stripped in _TABLE_NAMES:
-            current = tables[stripped]
-            continue
-        row = _TABLE_ROW_RE.match(line) if current is not None else None
-        if row is None or current is None:
-            current = None
-            continue
-        current[int(row.group(1))] = row.group(2)
-    files = {k: v.strip('"') for k, v in tables["FileNames"].items()}
-    locations: dict[int, str] = {}
-    for loc_id, text in tables["FileLocations"].items():
-        fields = _parse_metadata(text)
-        file_id, line_no = fields.get("file_name_id", ""), fields.get("line", "")
-        if file_id.isdigit() and int(file_id) in files:
-            locations[loc_id] = f"{files[int(file_id)]}:{line_no}"
-    frames: dict[int, str] = {}
-    for frame_id, text in tables["StackFrames"].items():
-        location = _parse_metadata(text).get("file_location_id", "")
-        if location.isdigit() and int(location) in locations:
-            frames[frame_id] = locations[int(location)]
-    return frames
 
 
 # --------------------------------------------------------------------------------------------
@@ -660,7 +397,7 @@ def parse_hlo_module(text: str) -> HloModule:
         if match:
             name, header = match.group(1), match.group(2)
             break
-    computations, entry = _parse_computations(lines, _parse_frame_tables(lines))
+    computations, entry = _parse_computations(lines, parse_frame_tables(lines))
     call_sites = _find_call_sites(computations)
     multipliers, known = _propagate_multipliers(computations, entry, call_sites)
     return HloModule(
@@ -690,7 +427,7 @@ def _parse_computations(
     current: tuple[str, bool] | None = None
     body: list[Instruction] = []
     for raw in lines:
-        line = _strip_comments(raw)
+        line = strip_comments(raw)
         if line.lstrip().startswith("//"):
             continue
         if current is None:
@@ -819,147 +556,3 @@ def _find_loops(
                 )
             )
     return tuple(loops)
-
-
-# --------------------------------------------------------------------------------------------
-# Replica groups and source-target pairs
-# --------------------------------------------------------------------------------------------
-
-ReplicaGroups = tuple[tuple[int, ...], ...]
-
-_MAX_DEVICES = 1 << 20
-"""Largest device count a replica-group list may expand to; larger ones are left unparsed
-(a guard against materialising absurd ``iota`` lists from damaged text)."""
-_IOTA_RE = re.compile(r"^\[([\d,\s]+)\]<=\[([\d,\s]+)\](?:T\(([\d,\s]+)\))?$")
-_MESH_RE = re.compile(r"^mesh\[(.*?)\](?:\s*,\s*device_ids=\((.*?)\))?\s*\{(.*)\}$")
-_MESH_AXIS_RE = re.compile(r"^'?([^'=]+?)'?\s*=\s*(\d+)$")
-_AXIS_REF_RE = re.compile(r"^'?([^':]+?)'?(?::\((\d+)\)(\d+))?$")
-
-
-def parse_replica_groups(text: str | None, *, num_devices: int | None = None) -> ReplicaGroups:
-    """Expands a ``replica_groups=`` value into explicit groups of device ids.
-
-    Three syntaxes are understood:
-
-    * explicit ``{{0,1},{2,3}}``; the empty ``{}`` means one group of all ``num_devices``
-      devices (left empty when ``num_devices`` is None);
-    * iota ``[G,S]<=[d0,d1,...]`` with an optional ``T(p0,p1,...)``: ``iota(prod(d))``
-      reshaped to ``d``, transposed by ``p``, reshaped to ``[G, S]`` (XLA's
-      ``IotaReplicaGroupList``), e.g. ``[4,2]<=[2,4]T(1,0)`` → ``{{0,4},{1,5},{2,6},{3,7}}``;
-    * mesh axes ``mesh['x'=2,'y'=4] {'y'}`` (quotes optional, sub-axes ``'x':(1)2`` and
-      ``device_ids=(...)`` allowed): the mesh's devices, row-major unless ``device_ids`` are
-      given, reshaped to the axis sizes; the grouped axes are moved last (in the listed
-      order) and the result is cut into groups (XLA's ``MeshAxesReplicaGroupList``).
-
-    Args:
-      text: the attribute value, or None.
-      num_devices: the number of participants, used to expand ``{}``.
-
-    Returns:
-      A tuple of groups; ``()`` when ``text`` is None or cannot be parsed.
-    """
-    if text is None:
-        return ()
-    text = text.strip()
-    try:
-        if text.startswith("{"):
-            return _explicit_groups(text, num_devices)
-        if text.startswith("["):
-            return _iota_groups(text)
-        if text.startswith("mesh"):
-            return _mesh_groups(text)
-    except (ValueError, IndexError, KeyError):
-        return ()
-    return ()
-
-
-def _explicit_groups(text: str, num_devices: int | None) -> ReplicaGroups:
-    groups = tuple(parse_int_list(g) for g in re.findall(r"\{([\d,\s]*)\}", text[1:-1]))
-    groups = tuple(g for g in groups if g)
-    if not groups and num_devices:
-        return (tuple(range(num_devices)),)
-    return groups
-
-
-def _iota_groups(text: str) -> ReplicaGroups:
-    match = _IOTA_RE.match(text.replace(" ", ""))
-    if match is None:
-        raise ValueError(text)
-    num_groups, group_size = parse_int_list(match.group(1))
-    reshape_dims = parse_int_list(match.group(2))
-    perm = parse_int_list(match.group(3)) or tuple(range(len(reshape_dims)))
-    if math.prod(reshape_dims) > _MAX_DEVICES:
-        raise ValueError(text)
-    ids = np.arange(math.prod(reshape_dims)).reshape(reshape_dims).transpose(perm)
-    return _as_groups(ids.reshape(num_groups, group_size))
-
-
-def _mesh_groups(text: str) -> ReplicaGroups:
-    match = _MESH_RE.match(text)
-    if match is None:
-        raise ValueError(text)
-    names: list[str] = []
-    sizes: list[int] = []
-    for part in match.group(1).split(","):
-        axis = _MESH_AXIS_RE.match(part.strip())
-        if axis is None:
-            raise ValueError(part)
-        names.append(axis.group(1))
-        sizes.append(int(axis.group(2)))
-    total = math.prod(sizes)
-    if total > _MAX_DEVICES:
-        raise ValueError(text)
-    device_ids = parse_int_list(match.group(2))
-    devices = np.array(device_ids) if len(device_ids) == total else np.arange(total)
-    refs = [_AXIS_REF_RE.match(r.strip()) for r in match.group(3).split(",") if r.strip()]
-    axes = [(names.index(r.group(1)), r.group(2), r.group(3)) for r in refs if r]
-    dims, grouped = _mesh_reindex(
-        sizes, [(i, int(p) if p else None, int(s) if s else None) for i, p, s in axes]
-    )
-    others = [d for d in range(len(dims)) if d not in grouped]
-    group_size = math.prod(dims[d] for d in grouped)
-    arranged = devices.reshape(dims).transpose(others + grouped)
-    return _as_groups(arranged.reshape(-1, group_size))
-
-
-def _mesh_reindex(
-    sizes: Sequence[int], axes: Sequence[tuple[int, int | None, int | None]]
-) -> tuple[list[int], list[int]]:
-    """Splits mesh axes with sub-axis refs into finer dims; returns the dims and the grouped
-    dims in the listed order (``ComputeReindexedAxes`` in XLA's ``replica_group.cc``).
-
-    A full axis ``a`` keeps its dim. Sub-axes ``a:(pre)size`` of an axis of size ``n`` split it
-    into ``[pre₀, size₀, pre₁/(pre₀·size₀), size₁, ..., rest]`` (sorted by ``pre``).
-    """
-    dims: list[int] = []
-    grouped_at: dict[tuple[int, int], int] = {}  # (axis, pre) -> reindexed dim
-    for axis, full in enumerate(sizes):
-        subs = sorted((pre, size) for a, pre, size in axes if a == axis and pre and size)
-        if not subs:
-            grouped_at[(axis, 0)] = len(dims)
-            dims.append(full)
-            continue
-        covered = 1
-        for pre, size in subs:
-            if pre != covered:
-                dims.append(pre // covered)
-                covered = pre
-            grouped_at[(axis, pre)] = len(dims)
-            dims.append(size)
-            covered *= size
-        if covered != full:
-            dims.append(full // covered)
-    grouped = [grouped_at[(axis, pre or 0)] for axis, pre, _ in axes]
-    return dims, grouped
-
-
-def _as_groups(array: np.ndarray) -> ReplicaGroups:
-    return tuple(tuple(int(x) for x in row) for row in array)
-
-
-def parse_source_target_pairs(text: str | None) -> tuple[tuple[int, int], ...]:
-    """Parses ``source_target_pairs={{0,1},{1,2}}`` into ``((0, 1), (1, 2))``."""
-    if not text:
-        return ()
-    pairs = (parse_int_list(p) for p in re.findall(r"\{([\d,\s]*)\}", text))
-    return tuple((p[0], p[1]) for p in pairs if len(p) == 2)
