@@ -32,7 +32,7 @@ from shardplan.cost.sharding import analyze_sharding, leaf_specs
 from shardplan.xla import read_compiled
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cost_fidelity.json"
-BATCH = 64
+BATCH = 128
 CASES = {
     "gpt dp8": ("gpt-tiny", {}, (8,), ("data",), with_batch(data_parallel, "data")),
     "gpt tp8": ("gpt-tiny", {"n_heads": 8}, (8,), ("model",), megatron("model")),
