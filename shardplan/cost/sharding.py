@@ -31,8 +31,8 @@ from shardplan.cost.rules import OpRule, op_rule
 from shardplan.errors import ConfigError, format_error
 from shardplan.trace.graph import OpGraph, Parameter
 
-__all__ = ["CollectiveKind", "PredictedCollective", "ShardingAnalysis", "Spec",
-           "analyze_sharding", "leaf_specs", "normalize_spec"]
+__all__ = ["CollectiveKind", "PredictedCollective", "ReshardStep", "ShardingAnalysis", "Spec",
+           "analyze_sharding", "leaf_specs", "normalize_spec", "reduce_steps", "reshard_steps"]
 
 Spec = tuple[tuple[str, ...], ...]
 CollectiveKind = Literal["all-reduce", "all-gather", "reduce-scatter", "all-to-all"]
@@ -314,44 +314,71 @@ def _place(graph: OpGraph, mesh: LogicalMesh, prop: _Propagator, *,
                             collectives=tuple(collectives))
 
 
-def _reshard(have: Spec, want: Spec, tensor: int, op_id: int, emit) -> None:
-    """Collectives turning ``have`` into ``want`` (slicing to more sharding is free)."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReshardStep:
+    """One collective of a resharding: its kind, mesh axes and the spec of its result."""
+
+    kind: CollectiveKind
+    axes: tuple[str, ...]
+    result_spec: Spec
+
+
+def reshard_steps(have: Spec, want: Spec) -> tuple[ReshardStep, ...]:
+    """Collectives turning a value sharded as ``have`` into ``want``.
+
+    Axes that ``want`` adds are free (each device slices its part); axes ``have`` carries on a
+    dimension where ``want`` has them on another are an all-to-all; axes ``want`` drops are
+    all-gathered.
+    """
     if have == want:
-        return
+        return ()
     want_axes = _axes_of(want)
     moved = tuple(a for d, axes in enumerate(have) for a in axes
                   if a in want_axes and (d >= len(want) or a not in want[d]))
     dropped = tuple(a for axes in have for a in axes if a not in want_axes)
+    steps: list[ReshardStep] = []
+    after_drop = tuple(tuple(a for a in axes if a not in dropped) for axes in have)
     if moved:
-        # The axis stays but shards another dimension: an all-to-all.
-        mid = tuple(tuple(a for a in axes if a not in dropped) for axes in have)
-        emit("all-to-all", moved, tensor, mid, op_id)
+        steps.append(ReshardStep("all-to-all", moved, after_drop))
     if dropped:
-        emit("all-gather", dropped, tensor, want_without(want, have, dropped), op_id)
+        steps.append(ReshardStep("all-gather", dropped, after_drop))
+    return tuple(steps)
 
 
-def want_without(want: Spec, have: Spec, dropped: tuple[str, ...]) -> Spec:
-    """The spec after gathering ``dropped``: ``have`` minus those axes (before any slicing)."""
-    return tuple(tuple(a for a in axes if a not in dropped) for axes in have)
-
-
-def _reduce_partial(natural: Spec, want: Spec, partial: tuple[str, ...], tensor: int,
-                    op_id: int, emit, *, reduce_scatter: bool) -> None:
-    """Reduces a partial result over ``partial`` axes into ``want`` (or gathers extra axes)."""
+def reduce_steps(natural: Spec, want: Spec, partial: tuple[str, ...], *,
+                 reduce_scatter: bool = True) -> tuple[ReshardStep, ...]:
+    """Collectives turning a result that is a partial sum over ``partial`` axes (sharded as
+    ``natural`` otherwise) into ``want``: a reduce-scatter over the reduced axes ``want``
+    shards (where the backend has one), an all-reduce over the others, and an all-gather of
+    axes ``natural`` has but ``want`` does not."""
+    steps: list[ReshardStep] = []
+    natural_axes = _axes_of(natural)
     if partial:
         want_axes = _axes_of(want) if reduce_scatter else set()
         scatter = tuple(a for a in partial if a in want_axes)
         replicate = tuple(a for a in partial if a not in want_axes)
         if replicate:
-            emit("all-reduce", replicate, tensor, natural, op_id)
+            steps.append(ReshardStep("all-reduce", replicate, natural))
         if scatter:
-            after = tuple(tuple(a for a in axes if a in scatter or a in _axes_of(natural))
+            after = tuple(tuple(a for a in axes if a in scatter or a in natural_axes)
                           for axes in want)
-            emit("reduce-scatter", scatter, tensor, after, op_id)
-    extra = tuple(a for a in _axes_of(natural) if a not in _axes_of(want))
+            steps.append(ReshardStep("reduce-scatter", scatter, after))
+    extra = tuple(a for a in natural_axes if a not in _axes_of(want))
     if extra:
-        emit("all-gather", extra, tensor, tuple(
-            tuple(a for a in axes if a not in extra) for axes in natural), op_id)
+        steps.append(ReshardStep("all-gather", extra, tuple(
+            tuple(a for a in axes if a not in extra) for axes in natural)))
+    return tuple(steps)
+
+
+def _reshard(have: Spec, want: Spec, tensor: int, op_id: int, emit) -> None:
+    for step in reshard_steps(have, want):
+        emit(step.kind, step.axes, tensor, step.result_spec, op_id)
+
+
+def _reduce_partial(natural: Spec, want: Spec, partial: tuple[str, ...], tensor: int,
+                    op_id: int, emit, *, reduce_scatter: bool) -> None:
+    for step in reduce_steps(natural, want, partial, reduce_scatter=reduce_scatter):
+        emit(step.kind, step.axes, tensor, step.result_spec, op_id)
 
 
 def leaf_specs(graph: OpGraph, mesh: LogicalMesh,
