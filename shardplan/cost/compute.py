@@ -62,6 +62,7 @@ __all__ = [
     "op_time_s",
     "op_times",
     "parameter_tensors",
+    "with_materialized_bytes",
 ]
 
 OpClass = Literal["matmul", "attention", "memory_bound"]
@@ -284,7 +285,7 @@ def _share(tensor_ids: Iterable[int], graph: OpGraph, keep: Callable[[int], bool
     return sum(size for size, kept in sizes if kept) / total if total else 1.0
 
 
-def _with_materialized_bytes(op: Op, graph: OpGraph, materialized: Callable[[int], bool]) -> Op:
+def with_materialized_bytes(op: Op, graph: OpGraph, materialized: Callable[[int], bool]) -> Op:
     """``op`` charged only for the operands and results that live in device memory."""
     read = op.bytes_read * _share(op.inputs, graph, materialized)
     written = op.bytes_written * _share(op.outputs, graph, materialized)
@@ -320,7 +321,7 @@ def op_times(
             continue
         divisor = 1.0 if divisor_of is None else float(divisor_of(op.id))
         if materialized is not None:
-            op = _with_materialized_bytes(op, graph, materialized)
+            op = with_materialized_bytes(op, graph, materialized)
         out[op.id] = op_time_s(
             op,
             device,

@@ -15,8 +15,14 @@ The formulation is XLA's (``auto_sharding_solver.cc``), restated for CP-SAT:
   excess over time steps, as XLA's);
 * departures, the cost cap and aliases are linear constraints / binary clauses.
 
-CP-SAT needs integer coefficients; :class:`_Scaling` documents the conversion. The returned
-objective is recomputed exactly from the assignment by :func:`shardplan.solver.evaluate`.
+The problem reduction (follower groups, merged and folded edges, the greedy start) lives in
+:mod:`shardplan.solver.reduce`; CP-SAT needs integer coefficients and
+:mod:`shardplan.solver.scaling` documents the conversion. This module builds the model, solves
+it and diagnoses infeasibility. The returned objective is recomputed exactly from the
+assignment by :func:`shardplan.solver.evaluate`.
+
+:data:`SALTIPLIER`, :func:`salt` and the scaling limits are re-exported here from the modules
+that define them.
 
 Example:
     >>> from shardplan.solver.problem import Node, Problem
@@ -27,10 +33,9 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +44,15 @@ from ortools.sat.python import cp_model
 from shardplan.errors import SolverError, format_error
 from shardplan.solver.evaluate import evaluate
 from shardplan.solver.problem import Problem, Solution, SolutionStatus
+from shardplan.solver.reduce import SALTIPLIER, Reduced, hint_assignment, reduce_problem, salt
+from shardplan.solver.scaling import (
+    COST_INT_LIMIT,
+    MEMORY_UNITS_LIMIT,
+    OBJECTIVE_INT_LIMIT,
+    XLA_MAX_COST,
+    Scaling,
+    choose_scaling,
+)
 
 __all__ = [
     "COST_INT_LIMIT",
@@ -51,310 +65,10 @@ __all__ = [
     "solve",
 ]
 
-SALTIPLIER = 1e-3
-"""Tie-breaking "saltiplier" (XLA's ``saltiplier``, same value): each node's per-strategy cost
-is multiplied by ``1 + SALTIPLIER * salt(name, strategy)`` with ``salt`` in ``[0, 1)``, so equal
-costs differ by a reproducible ≤ 0.1 % and the solver's choice among ties does not depend on
-its seed or search order (zero costs stay zero, as in XLA: ties between them are left to the
-solver, which is still deterministic for a fixed seed and one worker). A plan is therefore
-optimal within 0.1 % of the node costs; the reported objective is the exact, unsalted one."""
-
-XLA_MAX_COST = 1e7
-"""XLA's rule: when the largest finite cost of the request (a compute, communication or
-resharding entry) exceeds this, every cost is scaled down by ``XLA_MAX_COST / largest`` (ratios
-kept); requests already in range are left alone."""
-
-COST_INT_LIMIT = 10**9
-"""Integer resolution: after XLA's rule the costs are multiplied by the largest power of ten
-that keeps the largest coefficient ≤ this, then rounded half-to-even (Python's ``round``, the
-same on every platform). Costs with few decimals convert exactly; otherwise each coefficient
-has a relative rounding error ≤ 5e-10 of the largest."""
-
-OBJECTIVE_INT_LIMIT = 10**18
-"""The worst-case integer objective must stay below this (CP-SAT's int64 arithmetic); the
-power of ten of :data:`COST_INT_LIMIT` is lowered until it does."""
-
-MEMORY_UNITS_LIMIT = 2**30
-"""Memory is counted in units of ``2**k`` bytes, the smallest that keeps every time step's
-largest possible live memory ≤ this many units (1 byte for all but >1 GiB steps). Strategy
-memory is rounded up and the budget down, so a plan the solver accepts fits for certain."""
-
 DEPARTURE_RESOLUTION = 10**6
 """Departure costs are counted in millionths (exact for XLA's 0/1 departure costs)."""
 
 _FAMILIES = ("infinite_cost", "follower", "alias", "memory", "max_departures", "max_cost")
-
-
-def salt(name: str, strategy: int, /) -> float:
-    """The reproducible tie-breaking salt in ``[0, 1)`` of ``(node name, strategy index)``.
-
-    A BLAKE2b hash, not Python's ``hash`` (which is randomised per process for strings).
-    """
-    digest = hashlib.blake2b(f"{name}\x00{strategy}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") / 2.0**64
-
-
-# --------------------------------------------------------------------------- reduction
-
-
-@dataclass(frozen=True)
-class _Reduced:
-    """The problem after merging follower groups and edges, in the problem's cost units.
-
-    Attributes:
-      root: the follower-group representative (smallest index) of each node.
-      members: root -> the nodes of its group.
-      cost: root -> salted objective cost per strategy (``inf`` = forbidden), folded edges in.
-      plain: root -> the same without salt (for the cost cap).
-      forbidden_by: root -> per strategy, the constraint families that forbid it.
-      edges: (root u, root v), u < v -> matrix ``[i][j]`` of summed resharding costs.
-      alias_pairs: forbidden ``(root a, i, root b, j)`` pairs across groups.
-      constant: cost of folded edges that does not depend on the assignment.
-      folded_edges: number of merged edges folded into node costs.
-    """
-
-    root: tuple[int, ...]
-    members: Mapping[int, tuple[int, ...]]
-    cost: Mapping[int, list[float]]
-    plain: Mapping[int, list[float]]
-    forbidden_by: Mapping[int, list[set[str]]]
-    edges: Mapping[tuple[int, int], list[list[float]]]
-    alias_pairs: tuple[tuple[int, int, int, int], ...]
-    constant: float
-    folded_edges: int
-
-    def allowed(self, r: int) -> list[int]:
-        """Strategies of group ``r`` that no constraint forbids outright."""
-        return [s for s, why in enumerate(self.forbidden_by[r]) if not why]
-
-
-def _follower_roots(problem: Problem) -> tuple[int, ...]:
-    parent = list(range(len(problem.nodes)))
-
-    def find(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    for f in problem.followers:
-        a, b = find(f.node), find(f.leader)
-        parent[max(a, b)] = min(a, b)
-    return tuple(find(i) for i in range(len(problem.nodes)))
-
-
-def _reduce(problem: Problem) -> _Reduced:
-    root = _follower_roots(problem)
-    members: dict[int, list[int]] = {}
-    for i, r in enumerate(root):
-        members.setdefault(r, []).append(i)
-    cost: dict[int, list[float]] = {}
-    plain: dict[int, list[float]] = {}
-    why: dict[int, list[set[str]]] = {}
-    for r, group in members.items():
-        n_s = problem.nodes[r].num_strategies
-        cost[r], plain[r], why[r] = [0.0] * n_s, [0.0] * n_s, [set() for _ in range(n_s)]
-        for i in group:
-            node = problem.nodes[i]
-            for s in range(n_s):
-                c = node.compute_cost[s] + node.communication_cost[s]
-                if math.isinf(c):
-                    why[r][s].add("infinite_cost")
-                else:
-                    cost[r][s] += c * (1.0 + SALTIPLIER * salt(node.name, s))
-                    plain[r][s] += c
-    edges: dict[tuple[int, int], list[list[float]]] = {}
-    for e in problem.edges:
-        _merge_edge(problem, root, e.src, e.dst, e.cost, edges, cost, plain, why)
-    alias_pairs = []
-    for alias in problem.aliases:
-        ra, rb, n_b = root[alias.a], root[alias.b], problem.nodes[alias.b].num_strategies
-        for k, ok in enumerate(alias.allowed):
-            i, j = divmod(k, n_b)
-            if ok != 0:
-                continue
-            if ra != rb:
-                alias_pairs.append((ra, i, rb, j))
-            elif i == j:
-                why[ra][i].add("alias")
-    for r in members:
-        for s, reasons in enumerate(why[r]):
-            if reasons:
-                cost[r][s] = plain[r][s] = math.inf
-    constant, folded = _fold_separable_edges(edges, cost, plain, why)
-    return _Reduced(
-        root,
-        {r: tuple(g) for r, g in members.items()},
-        cost,
-        plain,
-        why,
-        edges,
-        tuple(alias_pairs),
-        constant,
-        folded,
-    )
-
-
-def _merge_edge(
-    problem: Problem,
-    root: Sequence[int],
-    src: int,
-    dst: int,
-    flat: Sequence[float],
-    edges: dict[tuple[int, int], list[list[float]]],
-    cost: dict[int, list[float]],
-    plain: dict[int, list[float]],
-    why: dict[int, list[set[str]]],
-) -> None:
-    """Adds one edge to the merged edge of its two groups (or to the diagonal of one group)."""
-    n_src, n_dst = problem.nodes[src].num_strategies, problem.nodes[dst].num_strategies
-    u, v = root[src], root[dst]
-    if u == v:  # both ends pick the same index: only the diagonal can occur
-        for s in range(n_src):
-            c = flat[s * n_dst + s]
-            if math.isinf(c):
-                why[u][s].add("infinite_cost")
-            else:
-                cost[u][s] += c
-                plain[u][s] += c
-        return
-    key = (min(u, v), max(u, v))
-    rows, cols = (n_src, n_dst) if u < v else (n_dst, n_src)
-    matrix = edges.setdefault(key, [[0.0] * cols for _ in range(rows)])
-    for i in range(n_src):
-        for j in range(n_dst):
-            a, b = (i, j) if u < v else (j, i)
-            matrix[a][b] += flat[i * n_dst + j]
-
-
-def _fold_separable_edges(
-    edges: dict[tuple[int, int], list[list[float]]],
-    cost: dict[int, list[float]],
-    plain: dict[int, list[float]],
-    why: Mapping[int, list[set[str]]],
-) -> tuple[float, int]:
-    """Folds every edge with ``M[i][j] = r_i + c_j`` over allowed pairs into node costs.
-
-    Returns:
-      The constant part of the folded edges and how many were folded.
-    """
-    constant, folded = 0.0, 0
-    for (u, v), m in list(edges.items()):
-        rows = [i for i, w in enumerate(why[u]) if not w]
-        cols = [j for j, w in enumerate(why[v]) if not w]
-        if not rows or not cols:
-            continue  # a dead group: reported before any model is built
-        i0, j0 = rows[0], cols[0]
-        r = {i: m[i][j0] for i in rows}
-        c = {j: m[i0][j] - m[i0][j0] for j in cols}
-        separable = all(
-            not math.isinf(m[i][j]) and math.isclose(m[i][j], r[i] + c[j], rel_tol=1e-12)
-            for i in rows
-            for j in cols
-        )
-        if not separable:
-            continue
-        base = min(r.values())  # keep node costs non-negative: the constant takes the minimum
-        constant += base
-        for i in rows:
-            cost[u][i] += r[i] - base
-            plain[u][i] += r[i] - base
-        c_min = min(c.values())
-        constant += c_min
-        for j in cols:
-            cost[v][j] += c[j] - c_min
-            plain[v][j] += c[j] - c_min
-        del edges[(u, v)]
-        folded += 1
-    return constant, folded
-
-
-# --------------------------------------------------------------------------- scaling
-
-
-@dataclass(frozen=True)
-class _Scaling:
-    """How costs and bytes become CP-SAT integers.
-
-    Attributes:
-      cost_scale: XLA's factor (≤ 1) applied to every cost.
-      int_per_unit: integer units per scaled cost unit (a power of ten).
-      memory_quantum_bytes: bytes per memory unit (a power of two).
-      penalty_int: soft mode: integer objective per memory unit of peak excess.
-      penalty_exact_int: the same without the cap (used by the cost-cap constraint).
-      penalty_capped: the penalty was capped just above the whole cost span, which makes soft
-        memory lexicographic (excess first) exactly when the true coefficient is that large.
-    """
-
-    cost_scale: float
-    int_per_unit: float
-    memory_quantum_bytes: int
-    penalty_int: int
-    penalty_exact_int: int
-    penalty_capped: bool
-
-    def to_int(self, cost: float) -> int:
-        """A cost in problem units as an integer coefficient."""
-        return round(cost * self.cost_scale * self.int_per_unit)
-
-    @property
-    def resolution(self) -> float:
-        """Problem cost units per integer unit."""
-        return 1.0 / (self.cost_scale * self.int_per_unit)
-
-
-def _finite(values: Sequence[float]) -> list[float]:
-    return [v for v in values if not math.isinf(v)]
-
-
-def _memory_bounds(problem: Problem) -> tuple[int, int]:
-    """The memory quantum and the largest possible excess in memory units."""
-    if problem.memory_budget_bytes is None or not problem.liveness:
-        return 1, 0
-    nodes = problem.nodes
-    worst = max(sum(max(nodes[i].memory_bytes) for i in step) for step in problem.liveness)
-    quantum = 1
-    while worst / quantum > MEMORY_UNITS_LIMIT:
-        quantum *= 2
-    worst_units = max(
-        sum(math.ceil(max(nodes[i].memory_bytes) / quantum) for i in step)
-        for step in problem.liveness
-    )
-    return quantum, max(0, worst_units - math.floor(problem.memory_budget_bytes / quantum))
-
-
-def _scaling(problem: Problem, red: _Reduced) -> _Scaling:
-    raw = [c for n in problem.nodes for c in (*n.compute_cost, *n.communication_cost)]
-    raw += [c for e in problem.edges for c in e.cost]
-    largest_raw = max(_finite(raw), default=0.0)
-    cost_scale = XLA_MAX_COST / largest_raw if largest_raw > XLA_MAX_COST else 1.0
-    coefficients = [c for costs in red.cost.values() for c in _finite(costs)]
-    coefficients += [c for m in red.edges.values() for row in m for c in _finite(row)]
-    largest = max(coefficients, default=0.0)
-    k = 0 if largest == 0.0 else math.floor(math.log10(COST_INT_LIMIT / (largest * cost_scale)))
-    k = min(k, 300)  # costs below 1e-291 are zero for every practical purpose
-    while largest * cost_scale * 10.0**k > COST_INT_LIMIT:
-        k -= 1
-    quantum, excess_units = _memory_bounds(problem)
-    soft = problem.memory_mode == "soft" and problem.memory_budget_bytes is not None
-    while True:
-        per_unit = 10.0**k
-        ints = [
-            [round(c * cost_scale * per_unit) for c in _finite(costs)]
-            for costs in red.cost.values()
-        ]
-        ints += [
-            [round(c * cost_scale * per_unit) for row in m for c in _finite(row)]
-            for m in red.edges.values()
-        ]
-        # CP-SAT bounds a linear expression by the sum of all its coefficients' magnitudes.
-        worst = sum(sum(g) for g in ints) + abs(round(red.constant * cost_scale * per_unit))
-        span = sum(max(g, default=0) - min(g, default=0) for g in ints)
-        exact = round(problem.overbudget_coeff * cost_scale * per_unit * quantum) if soft else 0
-        penalty = min(exact, span + 1)
-        if worst + penalty * excess_units <= OBJECTIVE_INT_LIMIT or k < -300:
-            return _Scaling(cost_scale, per_unit, quantum, penalty, exact, penalty < exact)
-        k -= 1
 
 
 # --------------------------------------------------------------------------- model
@@ -371,8 +85,8 @@ class _Model:
 
 def _build(
     problem: Problem,
-    red: _Reduced,
-    scaling: _Scaling,
+    red: Reduced,
+    scaling: Scaling,
     *,
     families: frozenset[str],
     with_objective: bool = True,
@@ -441,7 +155,7 @@ def _build(
 
 
 def _add_departures(
-    problem: Problem, red: _Reduced, model: cp_model.CpModel, x: Mapping[int, list[Any]]
+    problem: Problem, red: Reduced, model: cp_model.CpModel, x: Mapping[int, list[Any]]
 ) -> None:
     terms, coefs = [], []
     per_node = [n.departure_cost for n in problem.nodes]
@@ -457,8 +171,8 @@ def _add_departures(
 
 def _add_memory(
     problem: Problem,
-    red: _Reduced,
-    scaling: _Scaling,
+    red: Reduced,
+    scaling: Scaling,
     model: cp_model.CpModel,
     x: Mapping[int, list[Any]],
     families: frozenset[str],
@@ -504,7 +218,7 @@ def _add_memory(
 
 def _add_cost_cap(
     problem: Problem,
-    scaling: _Scaling,
+    scaling: Scaling,
     model: cp_model.CpModel,
     terms: list[Any],
     coefs: list[int],
@@ -526,48 +240,6 @@ def _add_cost_cap(
     if cap >= OBJECTIVE_INT_LIMIT:
         return
     model.add(cp_model.LinearExpr.weighted_sum(terms, coefs) + constant <= cap)
-
-
-def _hint(problem: Problem, red: _Reduced) -> dict[int, int]:
-    """The user's hint, else a greedy assignment, per follower group.
-
-    Hints only seed the search (CP-SAT repairs or drops an infeasible one) and never change the
-    optimum; the hint is also the fallback incumbent when the solver finds none in time.
-    """
-    if problem.hints is not None:
-        return {r: problem.hints[r] for r in red.members}
-    return _greedy_assignment(red)
-
-
-def _greedy_assignment(red: _Reduced) -> dict[int, int]:
-    """Picks, group by group in index order, the strategy cheapest given the groups before it.
-
-    Node costs plus resharding and alias conflicts with already chosen neighbours; memory,
-    departures and the cost cap are ignored (the solver repairs the hint if it breaks them).
-    """
-    neighbours: dict[int, list[tuple[int, list[list[float]], bool]]] = {r: [] for r in red.cost}
-    for (u, v), m in red.edges.items():
-        neighbours[v].append((u, m, True))  # v's strategy indexes the columns
-        neighbours[u].append((v, m, False))
-    forbidden_pairs: dict[int, set[tuple[int, int, int]]] = {r: set() for r in red.cost}
-    for ra, i, rb, j in red.alias_pairs:
-        forbidden_pairs[rb].add((ra, i, j))
-        forbidden_pairs[ra].add((rb, j, i))
-    chosen: dict[int, int] = {}
-    for r in sorted(red.cost):
-        allowed = red.allowed(r) or [0]
-
-        def total(s: int, r: int = r) -> float:
-            cost = red.cost[r][s]
-            for other, m, columns in neighbours[r]:
-                if other in chosen:
-                    cost += m[chosen[other]][s] if columns else m[s][chosen[other]]
-            if any(chosen.get(o) == i for o, i, mine in forbidden_pairs[r] if mine == s):
-                return math.inf
-            return cost
-
-        chosen[r] = min(allowed, key=lambda s: (total(s), red.cost[r][s], s))
-    return chosen
 
 
 # --------------------------------------------------------------------------- solving
@@ -598,7 +270,7 @@ def _run(built: _Model, problem: Problem, time_limit_s: float) -> tuple[Any, cp_
 
 
 def _decode(
-    problem: Problem, red: _Reduced, built: _Model, solver: cp_model.CpSolver
+    problem: Problem, red: Reduced, built: _Model, solver: cp_model.CpSolver
 ) -> tuple[int, ...]:
     choice = {
         r: next(s for s, v in enumerate(vs) if solver.boolean_value(v)) for r, vs in built.x.items()
@@ -606,7 +278,7 @@ def _decode(
     return tuple(choice[red.root[i]] for i in range(len(problem.nodes)))
 
 
-def _dead_group(problem: Problem, red: _Reduced) -> dict[str, Any] | None:
+def _dead_group(problem: Problem, red: Reduced) -> dict[str, Any] | None:
     """Finds a follower group with no allowed strategy: infeasible without any solve."""
     for r, group in red.members.items():
         if red.allowed(r):
@@ -623,9 +295,7 @@ def _dead_group(problem: Problem, red: _Reduced) -> dict[str, Any] | None:
     return None
 
 
-def _diagnose(
-    problem: Problem, red: _Reduced, scaling: _Scaling, deadline: float
-) -> dict[str, Any]:
+def _diagnose(problem: Problem, red: Reduced, scaling: Scaling, deadline: float) -> dict[str, Any]:
     """Names the constraint families that make the problem infeasible, by cheap re-solves."""
     optional = [
         f
@@ -705,13 +375,13 @@ def solve(problem: Problem, /) -> Solution:
       SolverError: CP-SAT rejected the model (a bug in this module).
     """
     start = time.perf_counter()
-    red = _reduce(problem)
+    red = reduce_problem(problem)
     dead = _dead_group(problem, red)
     if dead is not None:
         stats = {"solver": "cp-sat", **dead}
         return _no_plan("infeasible", time.perf_counter() - start, stats)
-    scaling = _scaling(problem, red)
-    hint = _hint(problem, red)
+    scaling = choose_scaling(problem, red)
+    hint = hint_assignment(problem, red)
     built = _build(problem, red, scaling, families=frozenset(_FAMILIES), hint=hint)
     stats = _model_stats(red, scaling, built)
     status, solver = _run(built, problem, problem.time_limit_s)
@@ -752,7 +422,7 @@ def _no_plan(status: SolutionStatus, solve_time_s: float, stats: dict[str, Any])
 
 
 def _hint_or_nothing(
-    problem: Problem, red: _Reduced, hint: Mapping[int, int], start: float, stats: dict[str, Any]
+    problem: Problem, red: Reduced, hint: Mapping[int, int], start: float, stats: dict[str, Any]
 ) -> Solution:
     """On a time-out without a solver incumbent, returns the hint if the evaluator accepts it.
 
@@ -780,7 +450,7 @@ def _hint_or_nothing(
     )
 
 
-def _model_stats(red: _Reduced, scaling: _Scaling, built: _Model) -> dict[str, Any]:
+def _model_stats(red: Reduced, scaling: Scaling, built: _Model) -> dict[str, Any]:
     """Model size and the integer conversion, JSON-native."""
     proto = built.model.proto
     return {

@@ -1,0 +1,1 @@
+"""Planner: builds solver problems from cost tables and turns solutions into plans."""

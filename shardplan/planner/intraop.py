@@ -1,0 +1,334 @@
+"""The intra-op sharding problem of one mesh: an OpGraph as a solver Problem, and back.
+
+Nodes are the graph's inputs (parameters, optimizer state, batch), whose strategies are their
+possible shardings, and its ops, whose strategies come from
+:func:`shardplan.cost.strategies.enumerate_strategies`. A node's compute cost is its op's roofline
+time on the local shard (fused values cost no memory traffic); its communication cost is the
+all-reduce of its result when the strategy contracts a sharded dimension (paid once, however
+many ops read the result; a reduce-scatter into a sharded consumer is not yet priced lower). An
+edge per operand use carries the time of the collectives that turn the producer's result into
+the sharding the consumer's strategy needs; an edge from each new-state result back to its input
+makes the state keep one sharding across steps. Optimizer state follows its parameter.
+
+This first version prices time only (no memory budget, no layer tying): it is the reference the
+tied and memory-aware formulations are checked against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+from shardplan.cluster import Cluster
+from shardplan.cluster.mesh import LogicalMesh
+from shardplan.cost.collectives import mesh_collective_time_s
+from shardplan.cost.compute import (
+    compute_dtype,
+    op_class,
+    op_time_s,
+    parameter_tensors,
+    with_materialized_bytes,
+)
+from shardplan.cost.memory import buffer_tensors
+from shardplan.cost.rules import Factor, OpRule, op_rule
+from shardplan.cost.sharding import ReshardStep, Spec, reduce_steps, reshard_steps
+from shardplan.cost.strategies import OpStrategy, enumerate_strategies
+from shardplan.errors import ClusterError, format_error
+from shardplan.solver import Edge, Follower, Node, Problem, Solution
+from shardplan.trace.graph import OpGraph
+
+__all__ = ["IntraOpProblem", "build_intraop_problem", "decode_input_specs"]
+
+INPUT_BYTE_TIEBREAK_S = 1e-15
+"""Seconds charged per byte an input holds on one device. Far below any real cost, it breaks
+ties toward sharded inputs: a batch that is only sliced by the ops that read it (slicing is
+free) is then placed sharded instead of replicated, which is what its host-to-device copy and
+its memory want."""
+
+
+@dataclasses.dataclass(frozen=True)
+class IntraOpProblem:
+    """A solver problem with the map back to the graph.
+
+    Attributes:
+      problem: the solver input.
+      mesh: the mesh it shards over.
+      input_nodes: ``{input tensor id: node index}``.
+      op_nodes: ``{op id: node index}``.
+      strategies: per node, its strategies.
+    """
+
+    problem: Problem
+    mesh: LogicalMesh
+    input_nodes: Mapping[int, int]
+    op_nodes: Mapping[int, int]
+    strategies: tuple[tuple[OpStrategy, ...], ...]
+
+
+def _tensor_rule(shape: tuple[int, ...]) -> OpRule:
+    """A rule whose strategies are the shardings of a tensor of ``shape``."""
+    factors: list[Factor] = []
+    dims: list[tuple[int, ...]] = []
+    for d in shape:
+        if d > 1:
+            factors.append(Factor(d, "pass"))
+            dims.append((len(factors) - 1,))
+        else:
+            dims.append(())
+    return OpRule(tuple(factors), (), (tuple(dims),))
+
+
+def _steps_time_s(
+    steps: tuple[ReshardStep, ...], nbytes: int, mesh: LogicalMesh, cluster: Cluster
+) -> float:
+    total = 0.0
+    for step in steps:
+        shards = math.prod(mesh.size(axes) for axes in step.result_spec if axes)
+        total += mesh_collective_time_s(step.kind, nbytes / shards, mesh, step.axes, cluster)
+    return total
+
+
+def build_intraop_problem(
+    graph: OpGraph,
+    mesh: LogicalMesh,
+    cluster: Cluster,
+    *,
+    reduce_scatter: bool = True,
+    time_limit_s: float = 30.0,
+) -> IntraOpProblem:
+    """Builds the intra-op problem of ``graph`` on ``mesh`` (see the module docstring).
+
+    Args:
+      graph: the traced step.
+      mesh: a mesh over device ids of one type in ``cluster``.
+      cluster: device figures and links.
+      reduce_scatter: the backend has reduce-scatter (False for XLA:CPU).
+      time_limit_s: the solver's time limit.
+
+    Raises:
+      ClusterError: the mesh spans several device types.
+    """
+    types = {cluster.group_of(d).device.name for d in mesh.device_ids}
+    if len(types) != 1:
+        raise ClusterError(
+            format_error(
+                "An intra-op problem is solved on devices of one type.",
+                where="mesh",
+                value=sorted(types),
+                remedy="plan one mesh per device group",
+            )
+        )
+    device = cluster.group_of(mesh.device_ids[0]).device
+    buffers = buffer_tensors(graph)
+    params = parameter_tensors(graph)
+    nodes: list[Node] = []
+    strategies: list[tuple[OpStrategy, ...]] = []
+    input_nodes: dict[int, int] = {}
+    op_nodes: dict[int, int] = {}
+    for p in graph.parameters:
+        strats = enumerate_strategies(_tensor_rule(p.shape), mesh)
+        input_nodes[p.tensor] = len(nodes)
+        local = [graph.tensors[p.tensor].nbytes / s.shards for s in strats]
+        nodes.append(
+            Node(
+                name=f"in:{p.arg_index}/{p.path}",
+                compute_cost=tuple(b * INPUT_BYTE_TIEBREAK_S for b in local),
+                communication_cost=(0.0,) * len(strats),
+                memory_bytes=tuple(local),
+            )
+        )
+        strategies.append(strats)
+    for op in graph.ops:
+        strats = enumerate_strategies(op_rule(graph, op), mesh)
+        op_nodes[op.id] = len(nodes)
+        costs: list[float] = []
+        comm: list[float] = []
+        for s in strats:
+            # A partial result is all-reduced once, by its producer, however many ops read it.
+            comm.append(sum(_steps_time_s(reduce_steps(spec, spec, s.partial_axes,
+                                                       reduce_scatter=False),
+                                          graph.tensors[t].nbytes, mesh, cluster) * op.count
+                            for t, spec in zip(op.outputs, s.result_specs, strict=True))
+                        if s.partial_axes else 0.0)
+            if op.structural or op.attrs.get("folded"):
+                costs.append(0.0)
+                continue
+            # Only values that live in memory cost memory traffic (fused ones do not).
+            fused = with_materialized_bytes(op, graph, lambda t: buffers[t])
+            t = op_time_s(
+                fused,
+                device,
+                dtype=compute_dtype(op, graph),
+                flops_divisor=s.shards,
+                bytes_divisor=s.shards,
+                kind=op_class(op, params),
+            )
+            costs.append(t.time_s * op.count)
+        nodes.append(
+            Node(
+                name=f"op:{op.id}:{op.primitive}",
+                compute_cost=tuple(costs),
+                communication_cost=(0.0,) * len(strats),
+                memory_bytes=(0.0,) * len(strats),
+            )
+        )
+        strategies.append(strats)
+    edges = _operand_edges(
+        graph, mesh, cluster, strategies, input_nodes, op_nodes, reduce_scatter=reduce_scatter
+    )
+    edges += _state_edges(
+        graph, mesh, cluster, strategies, input_nodes, op_nodes, reduce_scatter=reduce_scatter
+    )
+    followers = _optimizer_followers(graph, input_nodes, strategies)
+    problem = Problem(
+        tuple(nodes),
+        tuple(edges),
+        followers=tuple(followers),
+        time_limit_s=time_limit_s,
+        name=f"intraop:{graph.name}",
+    )
+    return IntraOpProblem(
+        problem=problem,
+        mesh=mesh,
+        input_nodes=input_nodes,
+        op_nodes=op_nodes,
+        strategies=tuple(strategies),
+    )
+
+
+def _producer(
+    graph: OpGraph, t: int, input_nodes: Mapping[int, int], op_nodes: Mapping[int, int]
+) -> tuple[int, int] | None:
+    """(node, result index) producing tensor ``t``."""
+    if t in input_nodes:
+        return input_nodes[t], 0
+    producer = graph.tensors[t].producer
+    if producer is None:
+        return None
+    return op_nodes[producer], graph.ops[producer].outputs.index(t)
+
+
+def _edge_matrix(
+    src: tuple[OpStrategy, ...],
+    j: int,
+    dst_specs: list[Spec],
+    nbytes: int,
+    count: int,
+    mesh: LogicalMesh,
+    cluster: Cluster,
+    *,
+    reduce_scatter: bool,
+) -> tuple[float, ...]:
+    cache: dict[tuple[Spec, tuple[str, ...], Spec], float] = {}
+    out: list[float] = []
+    for s in src:
+        have = s.result_specs[j]
+        for want in dst_specs:
+            key = (have, s.partial_axes, want)
+            if key not in cache:
+                steps = (
+                    reduce_steps(have, want, s.partial_axes, reduce_scatter=reduce_scatter)
+                    if s.partial_axes
+                    else reshard_steps(have, want)
+                )
+                cache[key] = _steps_time_s(steps, nbytes, mesh, cluster) * count
+            out.append(cache[key])
+    return tuple(out)
+
+
+def _operand_edges(
+    graph: OpGraph,
+    mesh: LogicalMesh,
+    cluster: Cluster,
+    strategies: list[tuple[OpStrategy, ...]],
+    input_nodes: Mapping[int, int],
+    op_nodes: Mapping[int, int],
+    *,
+    reduce_scatter: bool,
+) -> list[Edge]:
+    edges: list[Edge] = []
+    for op in graph.ops:
+        dst = op_nodes[op.id]
+        for i, t in enumerate(op.inputs):
+            src = _producer(graph, t, input_nodes, op_nodes)
+            if src is None:
+                continue
+            node, j = src
+            want = [s.operand_specs[i] for s in strategies[dst]]
+            cost = _edge_matrix(
+                strategies[node],
+                j,
+                want,
+                graph.tensors[t].nbytes,
+                op.count,
+                mesh,
+                cluster,
+                reduce_scatter=reduce_scatter,
+            )
+            edges.append(Edge(src=node, dst=dst, cost=cost))
+    return edges
+
+
+def _state_edges(
+    graph: OpGraph,
+    mesh: LogicalMesh,
+    cluster: Cluster,
+    strategies: list[tuple[OpStrategy, ...]],
+    input_nodes: Mapping[int, int],
+    op_nodes: Mapping[int, int],
+    *,
+    reduce_scatter: bool,
+) -> list[Edge]:
+    """New state leaves are resharded into their input's sharding for the next step."""
+    by_path = {(f"{p.arg_index}/{p.path}", p.shape): p.tensor for p in graph.parameters}
+    edges: list[Edge] = []
+    for t, path in zip(graph.outputs, graph.output_paths, strict=True):
+        if t is None or t in input_nodes:
+            continue
+        target = by_path.get((path, graph.tensors[t].shape))
+        src = _producer(graph, t, input_nodes, op_nodes)
+        if target is None or src is None:
+            continue
+        node, j = src
+        dst = input_nodes[target]
+        want = [s.result_specs[0] for s in strategies[dst]]
+        cost = _edge_matrix(
+            strategies[node],
+            j,
+            want,
+            graph.tensors[t].nbytes,
+            1,
+            mesh,
+            cluster,
+            reduce_scatter=reduce_scatter,
+        )
+        edges.append(Edge(src=node, dst=dst, cost=cost))
+    return edges
+
+
+def _optimizer_followers(
+    graph: OpGraph, input_nodes: Mapping[int, int], strategies: list[tuple[OpStrategy, ...]]
+) -> list[Follower]:
+    params = graph.param_by_path
+    out: list[Follower] = []
+    for p in graph.parameters:
+        if p.role != "optimizer_state" or p.param_path is None:
+            continue
+        leader = params.get(p.param_path)
+        if leader is None or leader.shape != p.shape:
+            continue
+        a, b = input_nodes[p.tensor], input_nodes[leader.tensor]
+        if len(strategies[a]) == len(strategies[b]):
+            out.append(Follower(node=a, leader=b))
+    return out
+
+
+def decode_input_specs(ip: IntraOpProblem, solution: Solution) -> dict[int, Spec]:
+    """The chosen sharding of every input tensor."""
+    if solution.assignment is None:
+        raise ValueError("the solution has no assignment")
+    return {
+        t: ip.strategies[n][solution.assignment[n]].result_specs[0]
+        for t, n in ip.input_nodes.items()
+    }
