@@ -169,7 +169,7 @@ def build_intraop_problem(
             Node(
                 name=f"op:{op.id}:{op.primitive}",
                 compute_cost=tuple(costs),
-                communication_cost=(0.0,) * len(strats),
+                communication_cost=tuple(comm),
                 memory_bytes=(0.0,) * len(strats),
             )
         )

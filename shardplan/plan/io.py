@@ -1,0 +1,379 @@
+"""Plan <-> canonical JSON, and plan files (``docs/plan-format.md`` describes the layout).
+
+The JSON is *canonical*: keys sorted (digit runs by value, so ``blocks/2`` precedes
+``blocks/10``), two-space indent, a list or flat object written on one line when it fits in
+:data:`INLINE_WIDTH` columns, UTF-8, one trailing newline. Equal plans give byte-identical text,
+which is what :attr:`Plan.content_hash` hashes (without the solver's ``*_time_s`` fields).
+
+Example:
+    >>> import tempfile, pathlib
+    >>> from shardplan.plan.plan import _example
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     path = _example().save(pathlib.Path(d) / "plan.json")
+    ...     load_plan(path) == _example()
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from shardplan.errors import ConfigError, PlanMismatchError, ShardplanError, format_error
+from shardplan.plan.plan import (
+    SCHEMA_VERSION,
+    SUPPORTED_SCHEMA_VERSIONS,
+    VOLATILE_SOLVER_SUFFIX,
+    MeshSpec,
+    Plan,
+    Predicted,
+    Spec,
+    Stage,
+    natural_key,
+)
+
+__all__ = ["INLINE_WIDTH", "content_hash", "from_json", "load_plan", "save", "to_json"]
+
+INLINE_WIDTH = 100
+"""A list (or an object without nested objects) is written on one line if that line fits."""
+
+_INDENT = "  "
+_NO_SOURCE = "<plan JSON>"
+
+# Keys of each JSON object: (required, optional). Optional keys take the dataclass default.
+_PLAN_KEYS = ({"schema_version", "shardplan_version", "graph_fingerprint", "cluster_hash",
+               "config_hash", "stages", "param_specs", "batch_specs", "predicted", "solver"},
+              {"microbatches", "schedule", "notes"})
+_STAGE_KEYS = ({"index", "device_type", "mesh", "layers"}, {"remat"})
+_MESH_KEYS = ({"axis_names", "axis_sizes", "device_ids"}, set[str]())
+_PREDICTED_KEYS = ({"step_time_s", "compute_s", "communication_s", "memory_bytes",
+                    "collectives"}, set[str]())
+_PARAM_KEYS = ({"stage", "spec"}, set[str]())
+
+
+# --------------------------------------------------------------------------- plan -> JSON
+
+
+def _spec_json(spec: Spec) -> list[list[str]]:
+    return [list(dim) for dim in spec]
+
+
+def _thaw(value: object) -> object:
+    """FrozenMap -> dict, tuple -> list, recursively (the inverse of the plan's freezing)."""
+    if isinstance(value, Mapping):
+        return {str(k): _thaw(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [_thaw(v) for v in value]
+    return value
+
+
+def plan_to_dict(plan: Plan, /, *, volatile: bool = True) -> dict[str, Any]:
+    """The JSON object of ``plan``; ``volatile=False`` drops the solver's ``*_time_s`` keys."""
+    solver = {k: v for k, v in plan.solver.items()
+              if volatile or not k.endswith(VOLATILE_SOLVER_SUFFIX)}
+    p = plan.predicted
+    return {
+        "schema_version": plan.schema_version,
+        "shardplan_version": plan.shardplan_version,
+        "graph_fingerprint": plan.graph_fingerprint,
+        "cluster_hash": plan.cluster_hash,
+        "config_hash": plan.config_hash,
+        "stages": [{
+            "index": s.index,
+            "device_type": s.device_type,
+            "mesh": {"axis_names": list(s.mesh.axis_names),
+                     "axis_sizes": list(s.mesh.axis_sizes),
+                     "device_ids": list(s.mesh.device_ids)},
+            "layers": list(s.layers),
+            "remat": s.remat,
+        } for s in plan.stages],
+        "param_specs": {k: {"stage": stage, "spec": _spec_json(spec)}
+                        for k, (stage, spec) in plan.param_specs.items()},
+        "batch_specs": {k: _spec_json(spec) for k, spec in plan.batch_specs.items()},
+        "microbatches": plan.microbatches,
+        "schedule": plan.schedule,
+        "predicted": {
+            "step_time_s": p.step_time_s,
+            "compute_s": p.compute_s,
+            "communication_s": p.communication_s,
+            "memory_bytes": {str(d): b for d, b in p.memory_bytes.items()},
+            "collectives": _thaw(p.collectives),
+        },
+        "solver": _thaw(solver),
+        "notes": list(plan.notes),
+    }
+
+
+def _scalar(value: object) -> str:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False)
+
+
+def _is_scalar(value: object) -> bool:
+    return not isinstance(value, dict | list)
+
+
+def _is_flat_list(value: object) -> bool:
+    """A list of scalars or of lists of scalars (a spec, a list of ids)."""
+    return isinstance(value, list) and all(
+        _is_scalar(v) or (isinstance(v, list) and all(_is_scalar(x) for x in v)) for v in value)
+
+
+def _inline(value: object) -> str | None:
+    """One-line rendering of a scalar, flat list or object of scalars / flat lists; else None."""
+    if _is_scalar(value):
+        return _scalar(value)
+    if isinstance(value, list) and _is_flat_list(value):
+        return "[" + ", ".join(_inline(v) or "" for v in value) + "]"
+    if isinstance(value, dict) and all(_is_scalar(v) or _is_flat_list(v) for v in value.values()):
+        items = sorted(value.items(), key=lambda kv: natural_key(kv[0]))
+        return "{" + ", ".join(f"{_scalar(k)}: {_inline(v)}" for k, v in items) + "}"
+    return None
+
+
+def _dump(value: object, level: int, column: int) -> str:
+    """Canonical text of ``value`` starting at ``column`` on a line indented ``level`` times."""
+    one_line = _inline(value)
+    # +1: the comma that may follow.
+    if one_line is not None and (column + len(one_line) + 1 <= INLINE_WIDTH
+                                 or _is_scalar(value) or not value):
+        return one_line
+    pad = _INDENT * (level + 1)
+    if isinstance(value, dict):
+        items = sorted(value.items(), key=lambda kv: natural_key(kv[0]))
+        lines = []
+        for k, v in items:
+            key = f"{pad}{_scalar(k)}: "
+            lines.append(key + _dump(v, level + 1, len(key)))
+        return "{\n" + ",\n".join(lines) + "\n" + _INDENT * level + "}"
+    assert isinstance(value, list)
+    lines = [pad + _dump(v, level + 1, len(pad)) for v in value]
+    return "[\n" + ",\n".join(lines) + "\n" + _INDENT * level + "]"
+
+
+def to_json(plan: Plan, /) -> str:
+    """Canonical JSON of ``plan`` (see the module docstring); ends with a newline."""
+    return _dump(plan_to_dict(plan), 0, 0) + "\n"
+
+
+def content_hash(plan: Plan, /) -> str:
+    """sha256 hex digest of the canonical JSON without the solver's ``*_time_s`` keys."""
+    text = _dump(plan_to_dict(plan, volatile=False), 0, 0) + "\n"
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+# --------------------------------------------------------------------------- JSON -> plan
+
+
+def _fail(what: str, *, where: str, value: object = None, remedy: str) -> ConfigError:
+    return ConfigError(format_error(what, where=where, value=value, remedy=remedy,
+                                    has_value=True))
+
+
+def _object(value: object, keys: tuple[set[str], set[str]], *, where: str) -> dict[str, Any]:
+    """Checks ``value`` is an object with the required keys and no unknown ones."""
+    required, optional = keys
+    if not isinstance(value, dict):
+        raise _fail("Expected a JSON object.", where=where, value=value,
+                    remedy="write the file with plan.save(path)")
+    known = required | optional
+    for key in sorted(value, key=natural_key):
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise _fail(f"Unknown key {key!r} in {where}.", where=f"{where}.{key}", value=key,
+                        remedy=f"{hint}known keys: {', '.join(sorted(known))}")
+    missing = sorted(required - set(value))
+    if missing:
+        raise _fail(f"Missing key {missing[0]!r} in {where}.", where=f"{where}.{missing[0]}",
+                    remedy="write the file with plan.save(path), or add the key "
+                           "(docs/plan-format.md lists every field)")
+    return value
+
+
+def _list(value: object, *, where: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise _fail("Expected a JSON list.", where=where, value=value,
+                    remedy="write a list, e.g. [\"data\", \"model\"]")
+    return value
+
+
+def _int_key(key: str, *, where: str) -> int:
+    if not key.isdigit():
+        raise _fail("Expected a device id (a non-negative integer written as a string).",
+                    where=where, value=key, remedy='write e.g. "0": 17179869184')
+    return int(key)
+
+
+def _mesh(data: object, *, where: str) -> MeshSpec:
+    d = _object(data, _MESH_KEYS, where=where)
+    return MeshSpec(tuple(_list(d["axis_names"], where=f"{where}.axis_names")),
+                    tuple(_list(d["axis_sizes"], where=f"{where}.axis_sizes")),
+                    tuple(_list(d["device_ids"], where=f"{where}.device_ids")))
+
+
+def _stage(data: object, *, where: str) -> Stage:
+    d = _object(data, _STAGE_KEYS, where=where)
+    return Stage(d["index"], d["device_type"], _mesh(d["mesh"], where=f"{where}.mesh"),
+                 tuple(_list(d["layers"], where=f"{where}.layers")), d.get("remat", "none"))
+
+
+def _predicted(data: object, *, where: str) -> Predicted:
+    d = _object(data, _PREDICTED_KEYS, where=where)
+    memory = d["memory_bytes"]
+    if not isinstance(memory, dict):
+        raise _fail("Expected a JSON object {device id: peak bytes}.",
+                    where=f"{where}.memory_bytes", value=memory,
+                    remedy='write e.g. {"0": 17179869184}')
+    return Predicted(
+        step_time_s=d["step_time_s"], compute_s=d["compute_s"],
+        communication_s=d["communication_s"],
+        memory_bytes={_int_key(k, where=f"{where}.memory_bytes.{k}"): v
+                      for k, v in memory.items()},
+        collectives=d["collectives"])
+
+
+def _param_specs(data: object, *, where: str) -> dict[str, tuple[int, object]]:
+    if not isinstance(data, dict):
+        raise _fail("Expected a JSON object {key path: {stage, spec}}.", where=where, value=data,
+                    remedy='write e.g. {"0/w": {"stage": 0, "spec": [[], ["model"]]}}')
+    out: dict[str, tuple[int, object]] = {}
+    for key, entry in data.items():
+        e = _object(entry, _PARAM_KEYS, where=f"{where}[{key!r}]")
+        out[key] = (e["stage"], e["spec"])
+    return out
+
+
+def _plan_from_data(data: object) -> Plan:
+    if isinstance(data, dict) and "schema_version" in data:
+        version = data["schema_version"]
+        if version not in SUPPORTED_SCHEMA_VERSIONS:
+            made_by = data.get("shardplan_version", "an unknown version")
+            raise PlanMismatchError(format_error(
+                f"This plan has schema_version {version!r}; this shardplan reads "
+                f"schema_version {', '.join(map(str, SUPPORTED_SCHEMA_VERSIONS))} "
+                f"(writes {SCHEMA_VERSION}).",
+                where="plan.schema_version", value=version,
+                remedy=f"make the plan again with this shardplan (sp.make_plan), or install "
+                       f"shardplan {made_by}, which wrote it"))
+    d = _object(data, _PLAN_KEYS, where="plan")
+    defaults = {"microbatches": 1, "schedule": "none", "notes": []}
+    d = {**defaults, **d}
+    return Plan(
+        schema_version=d["schema_version"],
+        shardplan_version=d["shardplan_version"],
+        graph_fingerprint=d["graph_fingerprint"],
+        cluster_hash=d["cluster_hash"],
+        config_hash=d["config_hash"],
+        stages=tuple(_stage(s, where=f"plan.stages[{i}]")
+                     for i, s in enumerate(_list(d["stages"], where="plan.stages"))),
+        param_specs=_param_specs(d["param_specs"], where="plan.param_specs"),  # type: ignore[arg-type]
+        batch_specs=d["batch_specs"],
+        microbatches=d["microbatches"],
+        schedule=d["schedule"],
+        predicted=_predicted(d["predicted"], where="plan.predicted"),
+        solver=d["solver"],
+        notes=tuple(_list(d["notes"], where="plan.notes")),
+    )
+
+
+def _parse(text: str, *, source: str) -> object:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        lines = exc.doc.splitlines()
+        line = lines[exc.lineno - 1].strip() if 0 < exc.lineno <= len(lines) else ""
+        raise ConfigError(format_error(
+            f"The plan is not valid JSON: {exc.msg}.",
+            where=f"{source}, line {exc.lineno}, column {exc.colno}", value=line[:80],
+            remedy="restore the file from version control, or write it again with "
+                   "plan.save(path)", has_value=True)) from None
+
+
+def from_json(text: str, /, *, source: str = _NO_SOURCE) -> Plan:
+    """Reads a plan from canonical (or hand-edited) JSON; see :meth:`Plan.from_json`.
+
+    Args:
+      text: the JSON text.
+      source: what errors name as the text's origin (a file path).
+    """
+    if not isinstance(text, str):
+        raise ConfigError(format_error("Plan.from_json expects a str.", where=source,
+                                       value=type(text).__name__,
+                                       remedy="decode bytes first, or use sp.load_plan(path)"))
+    data = _parse(text, source=source)
+    if source == _NO_SOURCE:
+        return _plan_from_data(data)
+    try:
+        return _plan_from_data(data)
+    except ShardplanError as exc:
+        # Name the file in errors about the plan's fields (same error type, same message).
+        raise type(exc)(f"{exc}\n  file:  {source}") from None
+
+
+# --------------------------------------------------------------------------- files
+
+
+def save(plan: Plan, path: str | os.PathLike[str], /) -> Path:
+    """Writes ``plan.to_json()`` to ``path`` atomically; returns the path.
+
+    The text goes to a temporary file in the same directory, is flushed to disk, and replaces
+    ``path`` with ``os.replace``: readers see the old file or the new one, never a partial one.
+
+    Raises:
+      ConfigError: the directory does not exist or cannot be written.
+    """
+    target = Path(path)
+    directory = target.parent
+    if not directory.is_dir():
+        raise ConfigError(format_error(
+            "Cannot save the plan: its directory does not exist.", where=str(target),
+            value=str(directory), remedy="create the directory first, or pick another path"))
+    data = to_json(plan).encode("utf-8")
+    # Keep an existing file's permissions; new files are readable by all (plans are committed).
+    mode = target.stat().st_mode & 0o777 if target.exists() else 0o644
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, target)
+    except BaseException as exc:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise ConfigError(format_error(
+                f"Cannot save the plan: {exc.strerror or exc}.", where=str(target),
+                remedy="check the path and its permissions")) from exc
+        raise
+    return target
+
+
+def load_plan(path: str | os.PathLike[str], /) -> Plan:
+    """Reads a plan file written by :meth:`Plan.save`.
+
+    Raises:
+      ConfigError: the file is missing or unreadable, or not a valid plan; the message names it.
+      PlanMismatchError: the plan's schema version is not supported, or its fields disagree.
+    """
+    source = Path(path)
+    try:
+        text = source.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(format_error(
+            "No plan file at this path.", where=str(source.absolute()),
+            remedy="check the path, or write a plan with plan.save(path)")) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(format_error(
+            f"Cannot read the plan file: {exc}.", where=str(source.absolute()),
+            remedy="pass a readable UTF-8 JSON file written by plan.save(path)")) from exc
+    return from_json(text, source=str(source))
+
