@@ -22,20 +22,19 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from shardplan.errors import ConfigError, PlanMismatchError, ShardplanError, format_error
+from shardplan.errors import ConfigError, ShardplanError, format_error
 from shardplan.plan.plan import (
-    SCHEMA_VERSION,
-    SUPPORTED_SCHEMA_VERSIONS,
     VOLATILE_SOLVER_SUFFIX,
     MeshSpec,
     Plan,
     Predicted,
     Spec,
     Stage,
+    check_schema_version,
     natural_key,
 )
 
@@ -211,17 +210,29 @@ def _int_key(key: str, *, where: str) -> int:
     return int(key)
 
 
+@contextlib.contextmanager
+def _within(where: str) -> Iterator[None]:
+    """Adds the JSON location to errors a constructor raises (it cannot know where it is)."""
+    try:
+        yield
+    except ShardplanError as exc:
+        raise type(exc)(f"{exc}\n  in:    {where}") from None
+
+
 def _mesh(data: object, *, where: str) -> MeshSpec:
     d = _object(data, _MESH_KEYS, where=where)
-    return MeshSpec(tuple(_list(d["axis_names"], where=f"{where}.axis_names")),
+    with _within(where):
+        return MeshSpec(tuple(_list(d["axis_names"], where=f"{where}.axis_names")),
                     tuple(_list(d["axis_sizes"], where=f"{where}.axis_sizes")),
                     tuple(_list(d["device_ids"], where=f"{where}.device_ids")))
 
 
 def _stage(data: object, *, where: str) -> Stage:
     d = _object(data, _STAGE_KEYS, where=where)
-    return Stage(d["index"], d["device_type"], _mesh(d["mesh"], where=f"{where}.mesh"),
-                 tuple(_list(d["layers"], where=f"{where}.layers")), d.get("remat", "none"))
+    mesh = _mesh(d["mesh"], where=f"{where}.mesh")
+    with _within(where):
+        return Stage(d["index"], d["device_type"], mesh,
+                     tuple(_list(d["layers"], where=f"{where}.layers")), d.get("remat", "none"))
 
 
 def _predicted(data: object, *, where: str) -> Predicted:
@@ -231,19 +242,18 @@ def _predicted(data: object, *, where: str) -> Predicted:
         raise _fail("Expected a JSON object {device id: peak bytes}.",
                     where=f"{where}.memory_bytes", value=memory,
                     remedy='write e.g. {"0": 17179869184}')
-    return Predicted(
-        step_time_s=d["step_time_s"], compute_s=d["compute_s"],
-        communication_s=d["communication_s"],
-        memory_bytes={_int_key(k, where=f"{where}.memory_bytes.{k}"): v
-                      for k, v in memory.items()},
-        collectives=d["collectives"])
+    memory_bytes = {_int_key(k, where=f"{where}.memory_bytes.{k}"): v for k, v in memory.items()}
+    with _within(where):
+        return Predicted(step_time_s=d["step_time_s"], compute_s=d["compute_s"],
+                         communication_s=d["communication_s"], memory_bytes=memory_bytes,
+                         collectives=d["collectives"])
 
 
-def _param_specs(data: object, *, where: str) -> dict[str, tuple[int, object]]:
+def _param_specs(data: object, *, where: str) -> dict[str, tuple[int, Any]]:
     if not isinstance(data, dict):
         raise _fail("Expected a JSON object {key path: {stage, spec}}.", where=where, value=data,
                     remedy='write e.g. {"0/w": {"stage": 0, "spec": [[], ["model"]]}}')
-    out: dict[str, tuple[int, object]] = {}
+    out: dict[str, tuple[int, Any]] = {}
     for key, entry in data.items():
         e = _object(entry, _PARAM_KEYS, where=f"{where}[{key!r}]")
         out[key] = (e["stage"], e["spec"])
@@ -252,16 +262,8 @@ def _param_specs(data: object, *, where: str) -> dict[str, tuple[int, object]]:
 
 def _plan_from_data(data: object) -> Plan:
     if isinstance(data, dict) and "schema_version" in data:
-        version = data["schema_version"]
-        if version not in SUPPORTED_SCHEMA_VERSIONS:
-            made_by = data.get("shardplan_version", "an unknown version")
-            raise PlanMismatchError(format_error(
-                f"This plan has schema_version {version!r}; this shardplan reads "
-                f"schema_version {', '.join(map(str, SUPPORTED_SCHEMA_VERSIONS))} "
-                f"(writes {SCHEMA_VERSION}).",
-                where="plan.schema_version", value=version,
-                remedy=f"make the plan again with this shardplan (sp.make_plan), or install "
-                       f"shardplan {made_by}, which wrote it"))
+        # Before the key checks: another version's keys would be reported as unknown.
+        check_schema_version(data["schema_version"], made_by=data.get("shardplan_version"))
     d = _object(data, _PLAN_KEYS, where="plan")
     defaults = {"microbatches": 1, "schedule": "none", "notes": []}
     d = {**defaults, **d}
@@ -273,7 +275,7 @@ def _plan_from_data(data: object) -> Plan:
         config_hash=d["config_hash"],
         stages=tuple(_stage(s, where=f"plan.stages[{i}]")
                      for i, s in enumerate(_list(d["stages"], where="plan.stages"))),
-        param_specs=_param_specs(d["param_specs"], where="plan.param_specs"),  # type: ignore[arg-type]
+        param_specs=_param_specs(d["param_specs"], where="plan.param_specs"),
         batch_specs=d["batch_specs"],
         microbatches=d["microbatches"],
         schedule=d["schedule"],
@@ -284,8 +286,17 @@ def _plan_from_data(data: object) -> Plan:
 
 
 def _parse(text: str, *, source: str) -> object:
+    def unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:  # json.loads would keep the last silently: a lost parameter spec
+                raise _fail(f"Key {key!r} appears twice in one JSON object.", where=source,
+                            value=key, remedy="keep one of the two entries")
+            out[key] = value
+        return out
+
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=unique)
     except json.JSONDecodeError as exc:
         lines = exc.doc.splitlines()
         line = lines[exc.lineno - 1].strip() if 0 < exc.lineno <= len(lines) else ""

@@ -1,17 +1,14 @@
 """The plan artifact: frozen, jax-free values that say how a train step is sharded and staged.
 
-A :class:`Plan` is what users review, diff and commit: stages (each an SPMD program on a sub-mesh
-of one device type), the sharding of every state leaf and batch leaf, microbatches, the pipeline
-schedule, the prediction it was chosen by, and the solver's report. It is plain data: shardings
-are *specs*, tuples with one tuple of mesh-axis names per array dimension (``()`` = that
-dimension is replicated), which the runtime turns into ``jax.sharding.PartitionSpec``\\ s. Nothing
-here imports jax, and nothing in a plan depends on the time it was made, so equal inputs give
-byte-identical JSON (up to the solver's wall-clock fields, see :data:`VOLATILE_SOLVER_SUFFIX`).
+A :class:`Plan` is what users review, diff and commit. Shardings are *specs*: one tuple of mesh
+axis names per array dimension (``()``: replicated), which the runtime turns into
+``PartitionSpec``\\ s; nothing here imports jax. Nothing in a plan depends on when it was made, so
+equal inputs give equal JSON (up to the solver's wall-clock fields, :data:`VOLATILE_SOLVER_SUFFIX`).
 
-Every constructor validates: spec axes exist in their stage's mesh, mesh sizes multiply to the
-number of devices, stages are numbered ``0 .. n-1``, parameters sit on existing stages. Internal
-cross-references that do not match raise :class:`~shardplan.errors.PlanMismatchError`; values
-of the wrong type or range raise :class:`~shardplan.errors.ConfigError`.
+Constructors validate: fields that contradict each other (a spec naming an axis its stage's mesh
+lacks, mesh sizes vs device ids, stage numbering, a parameter on a missing stage) raise
+:class:`~shardplan.errors.PlanMismatchError`; values of the wrong type or range raise
+:class:`~shardplan.errors.ConfigError`.
 
 Example:
     >>> mesh = MeshSpec(("data",), (2,), (0, 1))
@@ -34,23 +31,15 @@ import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from shardplan.errors import ConfigError, PlanMismatchError, format_error
+from shardplan.errors import ConfigError, PlanMismatchError, ShardplanError, format_error
 
 if TYPE_CHECKING:
     import os
     from pathlib import Path
 
 __all__ = [
-    "SCHEMA_VERSION",
-    "SUPPORTED_SCHEMA_VERSIONS",
-    "VOLATILE_SOLVER_SUFFIX",
-    "FrozenMap",
-    "MeshSpec",
-    "Plan",
-    "Predicted",
-    "Spec",
-    "Stage",
-    "as_spec",
+    "SCHEMA_VERSION", "SUPPORTED_SCHEMA_VERSIONS", "VOLATILE_SOLVER_SUFFIX", "FrozenMap",
+    "MeshSpec", "Plan", "Predicted", "Spec", "Stage", "as_spec", "check_schema_version",
     "natural_key",
 ]
 
@@ -69,9 +58,6 @@ so two plans made from equal inputs have the same hash although their solve time
 
 Spec = tuple[tuple[str, ...], ...]
 """A sharding: per array dimension, the mesh axes it is split over (``()``: replicated)."""
-
-CollectiveTotals = Mapping[str, int]
-"""``{"count": number of collectives, "bytes": bytes they move}`` for one collective kind."""
 
 _K = TypeVar("_K", str, int)
 _V = TypeVar("_V")
@@ -138,14 +124,12 @@ class FrozenMap(Mapping[_K, _V]):
 # --------------------------------------------------------------------------- value checks
 
 
-def _config_error(what: str, *, where: str, value: object = None, remedy: str) -> ConfigError:
-    return ConfigError(format_error(what, where=where, value=value, remedy=remedy,
-                                    has_value=True))
+def _config_error(what: str, *, where: str, value: object = None, remedy: str,
+                  kind: type[ShardplanError] = ConfigError) -> ShardplanError:
+    return kind(format_error(what, where=where, value=value, remedy=remedy, has_value=True))
 
 
-def _mismatch(what: str, *, where: str, value: object = None, remedy: str) -> PlanMismatchError:
-    return PlanMismatchError(format_error(what, where=where, value=value, remedy=remedy,
-                                          has_value=True))
+_mismatch = functools.partial(_config_error, kind=PlanMismatchError)
 
 
 def _check_str(value: object, *, where: str, empty_ok: bool = False) -> str:
@@ -170,19 +154,21 @@ def _check_float(value: object, *, where: str) -> float:
     return float(value)  # type: ignore[arg-type]
 
 
-def _check_strs(value: object, *, where: str) -> tuple[str, ...]:
+def _sequence(value: object, *, where: str, example: str = "[...]") -> Sequence[Any]:
     if isinstance(value, str) or not isinstance(value, Sequence):
-        raise _config_error("Expected a list of strings.", where=where, value=value,
-                            remedy="write a list such as ['data', 'model']")
-    return tuple(_check_str(v, where=f"{where}[{i}]") for i, v in enumerate(value))
+        raise _config_error("Expected a list.", where=where, value=value,
+                            remedy=f"write a list such as {example}")
+    return value
+
+
+def _check_strs(value: object, *, where: str) -> tuple[str, ...]:
+    items = _sequence(value, where=where, example="['data', 'model']")
+    return tuple(_check_str(v, where=f"{where}[{i}]") for i, v in enumerate(items))
 
 
 def _check_ints(value: object, *, where: str, minimum: int) -> tuple[int, ...]:
-    if isinstance(value, str) or not isinstance(value, Sequence):
-        raise _config_error("Expected a list of integers.", where=where, value=value,
-                            remedy="write a list such as [2, 4]")
-    return tuple(_check_int(v, where=f"{where}[{i}]", minimum=minimum)
-                 for i, v in enumerate(value))
+    items = _sequence(value, where=where, example="[2, 4]")
+    return tuple(_check_int(v, where=f"{where}[{i}]", minimum=minimum) for i, v in enumerate(items))
 
 
 def as_spec(value: object, /, *, where: str = "spec") -> Spec:
@@ -237,8 +223,8 @@ def _freeze_json(value: object, *, where: str) -> object:
                                 value=value, remedy="use None for an unknown value")
         return value
     if isinstance(value, Mapping):
-        return FrozenMap({_check_str(k, where=f"{where} key"): _freeze_json(v, where=f"{where}.{k}")
-                          for k, v in value.items()})
+        return FrozenMap({_check_str(k, where=f"{where} key"):
+                          _freeze_json(v, where=f"{where}.{k}") for k, v in value.items()})
     if isinstance(value, Sequence):
         return tuple(_freeze_json(v, where=f"{where}[{i}]") for i, v in enumerate(value))
     raise _config_error("Expected a JSON value (None, bool, number, string, list, mapping).",
@@ -277,7 +263,8 @@ class MeshSpec:
         object.__setattr__(self, "device_ids", ids)
         if len(names) != len(sizes):
             raise _mismatch("A mesh needs one size per axis name.", where="MeshSpec",
-                            value=(names, sizes), remedy="give axis_names and axis_sizes equal length")
+                            value=(names, sizes),
+                            remedy="give axis_names and axis_sizes equal length")
         if len(set(names)) != len(names):
             raise _config_error("Mesh axis names must be distinct.", where="MeshSpec.axis_names",
                                 value=names, remedy="rename the repeated axis")
@@ -301,8 +288,7 @@ class MeshSpec:
 
     def describe(self) -> str:
         """``"(data=2, model=4)"``: axis names with sizes."""
-        return "(" + ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.axis_sizes,
-                                                          strict=True)) + ")"
+        return "(" + ", ".join(f"{n}={s}" for n, s in self.shape.items()) + ")"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,26 +349,21 @@ class Predicted:
     compute_s: float
     communication_s: float
     memory_bytes: Mapping[int, int]
-    collectives: Mapping[str, CollectiveTotals]
+    collectives: Mapping[str, Mapping[str, int]]  # kind -> {count, bytes}
 
     def __post_init__(self) -> None:
         for name in ("step_time_s", "compute_s", "communication_s"):
             object.__setattr__(self, name,
                                _check_float(getattr(self, name), where=f"predicted.{name}"))
-        if not isinstance(self.memory_bytes, Mapping):
-            raise _config_error("Expected a mapping {device id: peak bytes}.",
-                                where="predicted.memory_bytes", value=self.memory_bytes,
-                                remedy="pass e.g. {0: 17179869184}")
         memory = {_check_int(d, where="predicted.memory_bytes key"):
                   _check_int(b, where=f"predicted.memory_bytes[{d}]")
-                  for d, b in self.memory_bytes.items()}
+                  for d, b in _mapping(self.memory_bytes, where="predicted.memory_bytes",
+                                       example="{0: 17179869184}").items()}
         object.__setattr__(self, "memory_bytes", FrozenMap(memory))
-        if not isinstance(self.collectives, Mapping):
-            raise _config_error("Expected a mapping {kind: {count, bytes}}.",
-                                where="predicted.collectives", value=self.collectives,
-                                remedy="pass e.g. {'all-reduce': {'count': 2, 'bytes': 4096}}")
         totals: dict[str, FrozenMap[str, int]] = {}
-        for kind, entry in self.collectives.items():
+        collectives = _mapping(self.collectives, where="predicted.collectives",
+                               example="{'all-reduce': {'count': 2, 'bytes': 4096}}")
+        for kind, entry in collectives.items():
             where = f"predicted.collectives[{kind!r}]"
             _check_str(kind, where="predicted.collectives key")
             if not isinstance(entry, Mapping) or sorted(entry) != list(_COLLECTIVE_FIELDS):
@@ -431,7 +412,7 @@ class Plan:
     notes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        _check_schema_version(self.schema_version)
+        check_schema_version(self.schema_version)
         for name in ("shardplan_version", "graph_fingerprint", "cluster_hash", "config_hash"):
             _check_str(getattr(self, name), where=f"plan.{name}", empty_ok=True)
         _check_int(self.microbatches, where="plan.microbatches", minimum=1)
@@ -442,11 +423,8 @@ class Plan:
         object.__setattr__(self, "notes", tuple(
             _check_str(n, where=f"plan.notes[{i}]", empty_ok=True)
             for i, n in enumerate(_sequence(self.notes, where="plan.notes"))))
-        solver = _freeze_json(self.solver, where="plan.solver")
-        if not isinstance(solver, FrozenMap):
-            raise _config_error("plan.solver must be a mapping.", where="plan.solver",
-                                value=self.solver, remedy="pass e.g. {'status': 'optimal'}")
-        object.__setattr__(self, "solver", solver)
+        solver = _mapping(self.solver, where="plan.solver", example="{'status': 'optimal'}")
+        object.__setattr__(self, "solver", _freeze_json(solver, where="plan.solver"))
         stages = tuple(_sequence(self.stages, where="plan.stages"))
         object.__setattr__(self, "stages", stages)
         _check_stages(stages)
@@ -461,8 +439,6 @@ class Plan:
 
     def __hash__(self) -> int:
         return hash(self.content_hash)
-
-    # ------------------------------------------------------------------ derived values
 
     @property
     def num_devices(self) -> int:
@@ -479,8 +455,6 @@ class Plan:
         from shardplan.plan import io  # io imports this module: import it when first needed
 
         return io.content_hash(self)
-
-    # ------------------------------------------------------------------ serialisation
 
     def to_json(self) -> str:
         """Canonical JSON (``docs/plan-format.md``): equal plans give byte-identical text.
@@ -538,20 +512,22 @@ def _example() -> Plan:
 # --------------------------------------------------------------------------- plan checks
 
 
-def _check_schema_version(version: object) -> None:
+def check_schema_version(version: object, *, made_by: object = None) -> None:
+    """Raises PlanMismatchError unless ``version`` is in :data:`SUPPORTED_SCHEMA_VERSIONS`."""
     if version not in SUPPORTED_SCHEMA_VERSIONS:
+        wrote = f"shardplan {made_by}, which wrote it" if isinstance(made_by, str) else (
+            "the shardplan version named in its shardplan_version field")
         raise _mismatch(
-            f"This plan has schema_version {version!r}; this shardplan reads "
-            f"{', '.join(map(str, SUPPORTED_SCHEMA_VERSIONS))}.",
+            f"This plan has schema_version {version!r}; this shardplan reads schema_version "
+            f"{', '.join(map(str, SUPPORTED_SCHEMA_VERSIONS))} (writes {SCHEMA_VERSION}).",
             where="plan.schema_version", value=version,
-            remedy="make the plan again with this shardplan (sp.make_plan), or install the "
-                   "shardplan version named in its shardplan_version field")
+            remedy=f"make the plan again with this shardplan (sp.make_plan), or install {wrote}")
 
 
-def _sequence(value: object, *, where: str) -> Sequence[Any]:
-    if isinstance(value, str) or not isinstance(value, Sequence):
-        raise _config_error("Expected a list.", where=where, value=value,
-                            remedy="pass a list or tuple")
+def _mapping(value: object, *, where: str, example: str) -> Mapping[Any, Any]:
+    if not isinstance(value, Mapping):
+        raise _config_error("Expected a mapping.", where=where, value=value,
+                            remedy=f"pass e.g. {example}")
     return value
 
 
@@ -583,13 +559,12 @@ def _check_axes(spec: Spec, stage: Stage, *, where: str) -> None:
                            f"or add {axis!r} to that mesh")
 
 
-def _check_param_specs(value: object, stages: tuple[Stage, ...]) -> FrozenMap[str, tuple[int, Spec]]:
-    if not isinstance(value, Mapping):
-        raise _config_error("Expected a mapping {key path: (stage index, spec)}.",
-                            where="plan.param_specs", value=value,
-                            remedy="pass e.g. {'0/blocks/0/mlp/kernel': (0, ((), ('model',)))}")
+def _check_param_specs(value: object,
+                       stages: tuple[Stage, ...]) -> FrozenMap[str, tuple[int, Spec]]:
     out: dict[str, tuple[int, Spec]] = {}
-    for key, entry in value.items():
+    specs = _mapping(value, where="plan.param_specs",
+                     example="{'0/blocks/0/mlp/kernel': (0, ((), ('model',)))}")
+    for key, entry in specs.items():
         where = f"plan.param_specs[{key!r}]"
         _check_str(key, where="plan.param_specs key")
         if isinstance(entry, str) or not isinstance(entry, Sequence) or len(entry) != 2:
@@ -608,11 +583,9 @@ def _check_param_specs(value: object, stages: tuple[Stage, ...]) -> FrozenMap[st
 
 
 def _check_batch_specs(value: object, stages: tuple[Stage, ...]) -> FrozenMap[str, Spec]:
-    if not isinstance(value, Mapping):
-        raise _config_error("Expected a mapping {key path: spec}.", where="plan.batch_specs",
-                            value=value, remedy="pass e.g. {'inputs': (('data',), ())}")
     out: dict[str, Spec] = {}
-    for key, entry in value.items():
+    specs = _mapping(value, where="plan.batch_specs", example="{'inputs': (('data',), ())}")
+    for key, entry in specs.items():
         where = f"plan.batch_specs[{key!r}]"
         _check_str(key, where="plan.batch_specs key")
         spec = as_spec(entry, where=where)

@@ -1,0 +1,330 @@
+"""A plain-text summary of a :class:`~shardplan.plan.plan.Plan`, at most 100 columns wide.
+
+The text has no colour or other escape codes (it reads the same with ``NO_COLOR`` set, in logs
+and in review comments); ``shardplan/viz`` renders the rich version. Parameter shardings are
+grouped by *pattern*: a numeric key-path component that follows a named one (a layer index,
+``blocks/3``) and a Linen-style index suffix (``Dense_3``) become ``*``, and leaves with the same
+pattern and spec share one line.
+
+Example:
+    >>> from shardplan.plan.plan import _example
+    >>> print(plan_summary(_example()))  # doctest: +ELLIPSIS
+    Plan ...: 1 stage, 2 devices, 1 microbatch, schedule none
+    ...
+    Parameter shardings: stage  pattern [leaves] -> spec
+      0  0/w [1 leaf] -> (None, 'data')
+    ...
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import textwrap
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shardplan.plan.plan import Plan, Spec
+
+__all__ = [
+    "MAX_WIDTH",
+    "compress_ids",
+    "compress_layers",
+    "format_spec",
+    "key_pattern",
+    "layer_runs",
+    "plan_summary",
+]
+
+MAX_WIDTH = 100
+"""No summary line is longer than this many columns."""
+
+_GIB = 1024**3
+_HASH_CHARS = 12  # enough hex digits to tell plans apart by eye
+_INDEXED = re.compile(r"^(.*\D)(\d+)$")  # "blocks.12" -> ("blocks.", "12")
+_LINEN_INDEX = re.compile(r"^(.*[A-Za-z])_\d+$")  # "Dense_3" -> "Dense"
+
+
+# --------------------------------------------------------------------------- formatting pieces
+
+
+def format_spec(spec: Spec, /) -> str:
+    """A spec as a ``PartitionSpec``-like tuple.
+
+    Example:
+        >>> format_spec(((), ("model",), ("data", "fsdp")))
+        "(None, 'model', ('data', 'fsdp'))"
+    """
+    entries = [None if not dim else dim[0] if len(dim) == 1 else dim for dim in spec]
+    return repr(tuple(entries))
+
+
+def compress_layers(names: Sequence[str], /) -> str:
+    """``", "``-joined :func:`layer_runs`.
+
+    Example:
+        >>> compress_layers(["pre", "blocks.0", "blocks.1", "blocks.2", "post"])
+        'pre, blocks.0 .. blocks.2, post'
+    """
+    return ", ".join(layer_runs(names)) or "-"
+
+
+def layer_runs(names: Sequence[str], /) -> list[str]:
+    """Layer names with runs of three or more consecutively numbered ones as ``first .. last``.
+
+    Example:
+        >>> layer_runs(["pre", "blocks.0", "blocks.1", "blocks.2", "blocks.4"])
+        ['pre', 'blocks.0 .. blocks.2', 'blocks.4']
+    """
+    parts: list[str] = []
+    i = 0
+    while i < len(names):
+        j = i
+        m = _INDEXED.match(names[i])
+        if m is not None:
+            prefix, start = m.group(1), int(m.group(2))
+            while j + 1 < len(names) and names[j + 1] == f"{prefix}{start + j + 1 - i}":
+                j += 1
+        if j - i >= 2:
+            parts.append(f"{names[i]} .. {names[j]}")
+        else:
+            parts.extend(names[i:j + 1])
+        i = j + 1
+    return parts
+
+
+def compress_ids(ids: Iterable[int], /) -> str:
+    """Sorted device ids with consecutive runs as ``a-b``.
+
+    Example:
+        >>> compress_ids([3, 0, 1, 2, 8, 10, 11])
+        '0-3, 8, 10-11'
+    """
+    ordered = sorted(set(ids))
+    runs: list[list[int]] = []
+    for d in ordered:
+        if runs and d == runs[-1][1] + 1:
+            runs[-1][1] = d
+        else:
+            runs.append([d, d])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def key_pattern(path: str, /) -> str:
+    """A key path with layer indices replaced by ``*``.
+
+    A numeric component that follows a named one (``blocks/3``) is an index into a collection
+    of layers; leading numeric components are positions in the state tuple and are kept.
+
+    Example:
+        >>> key_pattern("0/0/blocks/3/mlp/Dense_1/kernel/value")
+        '0/0/blocks/*/mlp/Dense_*/kernel/value'
+    """
+    out: list[str] = []
+    for i, comp in enumerate(path.split("/")):
+        if comp.isdigit() and i > 0 and not path.split("/")[i - 1].isdigit():
+            out.append("*")
+        else:
+            m = _LINEN_INDEX.match(comp)
+            out.append(f"{m.group(1)}_*" if m else comp)
+    return "/".join(out)
+
+
+def _format_time(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:,.1f} ms" if ms >= 10 else f"{ms:.3f} ms"
+
+
+def _format_bytes(n: int) -> str:
+    for unit, scale in (("GiB", _GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n} B"
+
+
+def _format_gib(n: int) -> str:
+    """GiB with two decimals; small values (tiny test models) in a unit that shows them."""
+    return f"{n / _GIB:,.2f} GiB" if n >= _GIB // 100 else _format_bytes(n)
+
+
+def _share(part: float, whole: float) -> str:
+    return f" ({100 * part / whole:.0f} %)" if whole > 0 else ""
+
+
+def _format_value(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping | tuple):
+        text = json.dumps(_plain(value), separators=(",", ":"))
+        return text if len(text) <= 40 else text[:37] + "..."
+    return repr(value)
+
+
+def _plain(value: object) -> object:
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _clip(line: str) -> str:
+    return line if len(line) <= MAX_WIDTH else line[:MAX_WIDTH - 3] + "..."
+
+
+def _elide_middle(text: str, width: int) -> str:
+    if len(text) <= width:
+        return text
+    keep = max(width - 3, 2)
+    return text[:keep // 2] + "..." + text[len(text) - (keep - keep // 2):]
+
+
+def _pack(items: Sequence[str], lead: str, subsequent: str, sep: str = ", ") -> list[str]:
+    """Items joined by ``sep``, broken between items (never inside one) to fit MAX_WIDTH."""
+    lines = [lead]
+    for i, item in enumerate(items):
+        piece = item + (sep.rstrip() if i + 1 < len(items) else "")
+        if lines[-1] not in (lead, subsequent) and len(lines[-1]) + 1 + len(piece) > MAX_WIDTH:
+            lines.append(subsequent)
+        joiner = "" if lines[-1] in (lead, subsequent) else " "
+        lines[-1] += joiner + piece
+    return lines
+
+
+def _wrap(text: str, indent: str, subsequent: str | None = None) -> list[str]:
+    return textwrap.wrap(text, MAX_WIDTH, initial_indent=indent,
+                         subsequent_indent=indent if subsequent is None else subsequent,
+                         break_on_hyphens=False) or [indent.rstrip()]
+
+
+def _plural(n: int, word: str, plural: str | None = None) -> str:
+    return f"{n} {word if n == 1 else plural or word + 's'}"
+
+
+# --------------------------------------------------------------------------- sections
+
+
+def _microbatches(plan: Plan) -> str:
+    return _plural(plan.microbatches, "microbatch", "microbatches")
+
+
+def _header(plan: Plan) -> list[str]:
+    return [
+        f"Plan {plan.content_hash[:_HASH_CHARS]}: {_plural(len(plan.stages), 'stage')}, "
+        f"{_plural(plan.num_devices, 'device')}, {_microbatches(plan)}, schedule {plan.schedule}",
+        f"  schema {plan.schema_version}, shardplan {plan.shardplan_version}, "
+        f"graph {plan.graph_fingerprint[:_HASH_CHARS] or '-'}, "
+        f"cluster {plan.cluster_hash[:_HASH_CHARS] or '-'}, "
+        f"config {plan.config_hash[:_HASH_CHARS] or '-'}",
+    ]
+
+
+def _stages(plan: Plan) -> list[str]:
+    rows = [(str(s.index), s.device_type, s.mesh.describe(), compress_ids(s.mesh.device_ids),
+             s.remat) for s in plan.stages]
+    layers = [["layers"], *(layer_runs(s.layers) or ["-"] for s in plan.stages)]
+    head = ("#", "device type", "mesh", "devices", "remat")
+    widths = [max(len(r[c]) for r in [head, *rows]) for c in range(5)]
+    lines = ["Stages"]
+    for row, names in zip([head, *rows], layers, strict=True):
+        lead = "  " + "  ".join(f"{cell:<{w}}" for cell, w in zip(row, widths, strict=True))
+        lead += "  "
+        if len(lead) > MAX_WIDTH - 20:  # pathological widths: put layers on their own lines
+            lines.append(_clip(lead.rstrip()))
+            lines.extend(_pack(names, "      ", "      "))
+        else:
+            lines.extend(_pack(names, lead, " " * len(lead)))
+    return lines
+
+
+def _grouped(entries: Iterable[tuple[str, str, str]]) -> list[tuple[str, str, str, int]]:
+    """(stage label, key, spec) -> (stages, pattern, spec, leaves), in first-seen order."""
+    groups: dict[tuple[str, str], tuple[list[str], int]] = {}
+    for stage, key, spec in entries:
+        stages, count = groups.get((key_pattern(key), spec), ([], 0))
+        if stage not in stages:
+            stages.append(stage)
+        groups[(key_pattern(key), spec)] = (stages, count + 1)
+    return [(", ".join(stages), pattern, spec, count)
+            for (pattern, spec), (stages, count) in groups.items()]
+
+
+def _spec_lines(rows: list[tuple[str, str, str, int]], *, with_stage: bool) -> list[str]:
+    width = max((len(r[0]) for r in rows), default=0)
+    lines = []
+    for stages, pattern, spec, count in rows:
+        lead = f"  {stages:<{width}}  " if with_stage else "  "
+        tail = f" [{_plural(count, 'leaf', 'leaves')}] -> {spec}"
+        line = lead + pattern + tail
+        if len(line) <= MAX_WIDTH:
+            lines.append(line)
+            continue
+        # Too wide: the pattern on its own line (elided in the middle if needed), then the spec.
+        lines.append(lead + _elide_middle(pattern, MAX_WIDTH - len(lead)))
+        lines.append(_clip(" " * len(lead) + "  " + tail.lstrip()))
+    return lines
+
+
+def _shardings(plan: Plan) -> list[str]:
+    params = _grouped((str(stage), key, format_spec(spec))
+                      for key, (stage, spec) in plan.param_specs.items())
+    lines = ["Parameter shardings: stage  pattern [leaves] -> spec"]
+    lines += _spec_lines(params, with_stage=True) or ["  (none)"]
+    lines.append("")
+    batch = _grouped(("", key, format_spec(spec)) for key, spec in plan.batch_specs.items())
+    lines.append("Batch shardings: pattern [leaves] -> spec")
+    lines += _spec_lines(batch, with_stage=False) or ["  (none)"]
+    return lines
+
+
+def _predicted(plan: Plan) -> list[str]:
+    p = plan.predicted
+    busy_s = p.compute_s + p.communication_s
+    lines = [
+        f"Predicted (per step, {_microbatches(plan)}, schedule {plan.schedule})",
+        f"  step time     {_format_time(p.step_time_s)}",
+        f"  compute       {_format_time(p.compute_s)}{_share(p.compute_s, busy_s)}",
+        f"  communication {_format_time(p.communication_s)}{_share(p.communication_s, busy_s)}",
+    ]
+    # Peak memory per device type: the max over the type's devices that have a prediction.
+    devices_of: dict[str, set[int]] = {}
+    for s in plan.stages:
+        devices_of.setdefault(s.device_type, set()).update(s.mesh.device_ids)
+    peaks = []
+    for device_type, ids in devices_of.items():
+        known = [p.memory_bytes[d] for d in ids if d in p.memory_bytes]
+        if known:
+            peaks.append(f"{device_type} {_format_gib(max(known))} "
+                         f"(max of {_plural(len(known), 'device')})")
+    lines += _pack(peaks or ["not predicted"], "  peak memory   ", " " * 16, sep="; ")
+    coll = [f"{kind} {_plural(t['count'], 'op')}, {_format_bytes(t['bytes'])}"
+            for kind, t in p.collectives.items()]
+    lines += _pack(coll or ["none"], "  collectives   ", " " * 16, sep="; ")
+    return lines
+
+
+def _solver(plan: Plan) -> list[str]:
+    s = plan.solver
+    head = str(s.get("status", "status unknown"))
+    if "solve_time_s" in s and isinstance(s["solve_time_s"], int | float):
+        head += f" in {float(s['solve_time_s']):.3g} s"
+    rest = [f"{k}={_format_value(v)}" for k, v in s.items() if k not in ("status", "solve_time_s")]
+    lines = ["Solver"]
+    lines += _pack(rest, f"  {head}: ", "    ") if rest else [f"  {head}"]
+    return lines
+
+
+def plan_summary(plan: Plan, /) -> str:
+    """The summary :meth:`Plan.summary` returns (see the module docstring)."""
+    lines = _header(plan)
+    for section in (_stages, _shardings, _predicted, _solver):
+        lines.append("")
+        lines.extend(section(plan))
+    if plan.notes:
+        lines += ["", "Notes"]
+        for note in plan.notes:
+            lines += _wrap(note, "  - ", "    ")
+    return "\n".join(_clip(line.rstrip()) for line in lines)
