@@ -20,6 +20,8 @@ from shardplan.errors import ShardplanError as ShardplanError
 from shardplan.errors import ShardplanWarning as ShardplanWarning
 from shardplan.errors import SolverError as SolverError
 from shardplan.errors import TraceError as TraceError
+from shardplan.plan import Plan as Plan
+from shardplan.plan import load_plan as load_plan
 from shardplan.trace import OpGraph as OpGraph
 from shardplan.trace import trace as trace
 
@@ -37,6 +39,7 @@ __all__ = [
     "Link",
     "OpGraph",
     "PipelineError",
+    "Plan",
     "PlanMismatchError",
     "RuntimeFailure",
     "ShardplanError",
@@ -44,5 +47,6 @@ __all__ = [
     "SolverError",
     "TraceError",
     "__version__",
+    "load_plan",
     "trace",
 ]

@@ -138,6 +138,24 @@ def test_save_and_load_atomically(tmp_path: Path) -> None:
     assert os.listdir(tmp_path) == ["plan.json"]
 
 
+
+def test_failed_save_keeps_the_old_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "plan.json"
+    make_plan().save(path)
+    before = path.read_bytes()
+
+    def broken_replace(src: str, dst: str) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", broken_replace)
+    with pytest.raises(ConfigError, match="No space left"):
+        make_plan(microbatches=2).save(path)
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == ["plan.json"]
+    with pytest.raises(ConfigError, match="directory does not exist"):
+        make_plan().save(tmp_path / "missing" / "plan.json")
+
+
 # --------------------------------------------------------------------------- errors
 
 
@@ -260,3 +278,12 @@ def test_plan_package_imports_no_jax() -> None:
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n == "jax" or n.startswith(("jax.", "flax")) for n in names), path
+
+
+def test_docs_example_is_a_canonical_plan() -> None:
+    doc = (Path(__file__).parent.parent / "docs" / "plan-format.md").read_text(encoding="utf-8")
+    block = doc.split("```json\n", 1)[1].split("```", 1)[0]
+    plan = Plan.from_json(block)
+    assert plan.to_json() == block
+    summary = doc.split("```text\n", 1)[1].split("```", 1)[0]
+    assert plan.summary() + "\n" == summary

@@ -38,7 +38,9 @@ from shardplan.plan.plan import (
     natural_key,
 )
 
-__all__ = ["INLINE_WIDTH", "content_hash", "from_json", "load_plan", "save", "to_json"]
+__all__ = [
+    "INLINE_WIDTH", "content_hash", "from_json", "load_plan", "plan_to_dict", "save", "to_json",
+]
 
 INLINE_WIDTH = 100
 """A list (or an object without nested objects) is written on one line if that line fits."""
@@ -204,7 +206,7 @@ def _list(value: object, *, where: str) -> list[Any]:
 
 
 def _int_key(key: str, *, where: str) -> int:
-    if not key.isdigit():
+    if not (key.isascii() and key.isdigit()) or str(int(key)) != key:
         raise _fail("Expected a device id (a non-negative integer written as a string).",
                     where=where, value=key, remedy='write e.g. "0": 17179869184')
     return int(key)

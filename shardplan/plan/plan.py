@@ -519,7 +519,7 @@ def check_schema_version(version: object, *, made_by: object = None) -> None:
             "the shardplan version named in its shardplan_version field")
         raise _mismatch(
             f"This plan has schema_version {version!r}; this shardplan reads schema_version "
-            f"{', '.join(map(str, SUPPORTED_SCHEMA_VERSIONS))} (writes {SCHEMA_VERSION}).",
+            f"{', '.join(map(str, SUPPORTED_SCHEMA_VERSIONS))}.",
             where="plan.schema_version", value=version,
             remedy=f"make the plan again with this shardplan (sp.make_plan), or install {wrote}")
 

@@ -121,9 +121,10 @@ def key_pattern(path: str, /) -> str:
         >>> key_pattern("0/0/blocks/3/mlp/Dense_1/kernel/value")
         '0/0/blocks/*/mlp/Dense_*/kernel/value'
     """
+    comps = path.split("/")
     out: list[str] = []
-    for i, comp in enumerate(path.split("/")):
-        if comp.isdigit() and i > 0 and not path.split("/")[i - 1].isdigit():
+    for i, comp in enumerate(comps):
+        if comp.isdigit() and i > 0 and not comps[i - 1].isdigit():
             out.append("*")
         else:
             m = _LINEN_INDEX.match(comp)
