@@ -40,11 +40,12 @@ def mlp_step(width: int, batch: int, layers: int = 6):
     return step, (params, opt), jax.ShapeDtypeStruct((batch, width), jnp.float32)
 
 
-def _plan(width: int, batch: int, cluster: sp.Cluster):
+def _plan(width: int, batch: int, cluster: sp.Cluster, tie_period: int = 2):
     step, state, x = mlp_step(width, batch)
     graph = sp.trace(step, state, x)
     mesh = LogicalMesh.create((4,), ("x",))
-    ip = build_intraop_problem(graph, mesh, cluster, reduce_scatter=False)
+    ip = build_intraop_problem(graph, mesh, cluster, reduce_scatter=False,
+                               tie_period=tie_period)
     solution = solve(ip.problem)
     assert solution.status == "optimal"
     return graph, mesh, ip, solution, decode_input_specs(ip, solution)
@@ -120,3 +121,16 @@ def test_narrow_mlp_on_latency_bound_cpu_links_stays_replicated() -> None:
     cluster = sp.Cluster.local(devices=jax.devices()[:4])
     *_, specs = _plan(32, 256, cluster)
     assert all(spec == tuple(() for _ in spec) for spec in specs.values())
+
+
+def test_tying_repeated_layers_keeps_the_optimum_with_the_right_period() -> None:
+    # Dense_1 .. Dense_4 share a fingerprint. Tied with period 2 (alternating layers share
+    # variables) the problem is smaller and keeps the untied optimum (column/row pairs); with
+    # period 1 every layer must take the same strategy, which cannot alternate.
+    cluster = sp.Cluster.local(devices=jax.devices()[:4])
+    _, _, untied_ip, untied, _ = _plan(256, 32, cluster, tie_period=0)
+    _, _, pair_ip, pair, _ = _plan(256, 32, cluster, tie_period=2)
+    _, _, same_ip, same, _ = _plan(256, 32, cluster, tie_period=1)
+    assert len(same_ip.problem.nodes) < len(pair_ip.problem.nodes) < len(untied_ip.problem.nodes)
+    assert pair.objective == pytest.approx(untied.objective, rel=1e-6)
+    assert same.objective > untied.objective

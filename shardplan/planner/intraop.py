@@ -96,6 +96,7 @@ def build_intraop_problem(
     *,
     reduce_scatter: bool = True,
     time_limit_s: float = 30.0,
+    tie_period: int = 1,
 ) -> IntraOpProblem:
     """Builds the intra-op problem of ``graph`` on ``mesh`` (see the module docstring).
 
@@ -105,6 +106,8 @@ def build_intraop_problem(
       cluster: device figures and links.
       reduce_scatter: the backend has reduce-scatter (False for XLA:CPU).
       time_limit_s: the solver's time limit.
+      tie_period: give blocks with equal fingerprints one set of variables per residue of their
+        position modulo this period (their costs add); 0 ties nothing.
 
     Raises:
       ClusterError: the mesh spans several device types.
@@ -122,68 +125,76 @@ def build_intraop_problem(
     device = cluster.group_of(mesh.device_ids[0]).device
     buffers = buffer_tensors(graph)
     params = parameter_tensors(graph)
-    nodes: list[Node] = []
+    canon_op, canon_in = _tied(graph, tie_period) if tie_period else ({}, {})
+    compute: list[list[float]] = []
+    comm: list[list[float]] = []
+    memory: list[tuple[float, ...]] = []
+    names: list[str] = []
     strategies: list[tuple[OpStrategy, ...]] = []
     input_nodes: dict[int, int] = {}
     op_nodes: dict[int, int] = {}
-    for p in graph.parameters:
-        strats = enumerate_strategies(_tensor_rule(p.shape), mesh)
-        input_nodes[p.tensor] = len(nodes)
-        local = [graph.tensors[p.tensor].nbytes / s.shards for s in strats]
-        nodes.append(
-            Node(
-                name=f"in:{p.arg_index}/{p.path}",
-                compute_cost=tuple(b * INPUT_BYTE_TIEBREAK_S for b in local),
-                communication_cost=(0.0,) * len(strats),
-                memory_bytes=tuple(local),
-            )
-        )
+
+    def node_for(key: int, table: dict[int, int], canon: Mapping[int, int], name: str,
+                 strats_of) -> int:
+        target = canon.get(key)
+        if target is not None and target in table:
+            table[key] = table[target]
+            return table[key]
+        strats = strats_of()
+        table[key] = len(strategies)
         strategies.append(strats)
+        compute.append([0.0] * len(strats))
+        comm.append([0.0] * len(strats))
+        memory.append(tuple(0.0 for _ in strats))
+        names.append(name)
+        return table[key]
+
+    for p in graph.parameters:
+        n = node_for(p.tensor, input_nodes, canon_in, f"in:{p.arg_index}/{p.path}",
+                     lambda p=p: enumerate_strategies(_tensor_rule(p.shape), mesh))
+        local = [graph.tensors[p.tensor].nbytes / s.shards for s in strategies[n]]
+        compute[n] = [c + b * INPUT_BYTE_TIEBREAK_S for c, b in zip(compute[n], local,
+                                                                   strict=True)]
+        memory[n] = tuple(local)
     for op in graph.ops:
-        strats = enumerate_strategies(op_rule(graph, op), mesh)
-        op_nodes[op.id] = len(nodes)
-        costs: list[float] = []
-        comm: list[float] = []
-        for s in strats:
+        n = node_for(op.id, op_nodes, canon_op, f"op:{op.id}:{op.primitive}",
+                     lambda op=op: enumerate_strategies(op_rule(graph, op), mesh))
+        fused = with_materialized_bytes(op, graph, lambda t: buffers[t])
+        for k, s in enumerate(strategies[n]):
             # A partial result is all-reduced once, by its producer, however many ops read it.
-            comm.append(sum(_steps_time_s(reduce_steps(spec, spec, s.partial_axes,
-                                                       reduce_scatter=False),
-                                          graph.tensors[t].nbytes, mesh, cluster) * op.count
-                            for t, spec in zip(op.outputs, s.result_specs, strict=True))
-                        if s.partial_axes else 0.0)
+            if s.partial_axes:
+                comm[n][k] += sum(
+                    _steps_time_s(reduce_steps(spec, spec, s.partial_axes, reduce_scatter=False),
+                                  graph.tensors[t].nbytes, mesh, cluster) * op.count
+                    for t, spec in zip(op.outputs, s.result_specs, strict=True))
             if op.structural or op.attrs.get("folded"):
-                costs.append(0.0)
                 continue
             # Only values that live in memory cost memory traffic (fused ones do not).
-            fused = with_materialized_bytes(op, graph, lambda t: buffers[t])
-            t = op_time_s(
-                fused,
-                device,
-                dtype=compute_dtype(op, graph),
-                flops_divisor=s.shards,
-                bytes_divisor=s.shards,
-                kind=op_class(op, params),
-            )
-            costs.append(t.time_s * op.count)
-        nodes.append(
-            Node(
-                name=f"op:{op.id}:{op.primitive}",
-                compute_cost=tuple(costs),
-                communication_cost=tuple(comm),
-                memory_bytes=(0.0,) * len(strats),
-            )
-        )
-        strategies.append(strats)
+            t = op_time_s(fused, device, dtype=compute_dtype(op, graph),
+                          flops_divisor=s.shards, bytes_divisor=s.shards,
+                          kind=op_class(op, params))
+            compute[n][k] += t.time_s * op.count
     edges = _operand_edges(
         graph, mesh, cluster, strategies, input_nodes, op_nodes, reduce_scatter=reduce_scatter
     )
     edges += _state_edges(
         graph, mesh, cluster, strategies, input_nodes, op_nodes, reduce_scatter=reduce_scatter
     )
+    # Tied layers make some edges run from a node to itself: their diagonal is a node cost.
+    kept: list[Edge] = []
+    for e in edges:
+        if e.src != e.dst:
+            kept.append(e)
+            continue
+        k = len(strategies[e.src])
+        compute[e.src] = [c + e.cost[i * k + i] for i, c in enumerate(compute[e.src])]
+    nodes = tuple(Node(name=names[i], compute_cost=tuple(compute[i]),
+                       communication_cost=tuple(comm[i]), memory_bytes=memory[i])
+                  for i in range(len(strategies)))
     followers = _optimizer_followers(graph, input_nodes, strategies)
     problem = Problem(
-        tuple(nodes),
-        tuple(edges),
+        nodes,
+        tuple(kept),
         followers=tuple(followers),
         time_limit_s=time_limit_s,
         name=f"intraop:{graph.name}",
@@ -195,6 +206,54 @@ def build_intraop_problem(
         op_nodes=op_nodes,
         strategies=tuple(strategies),
     )
+
+
+def _aligned(graph: OpGraph, ops: tuple[int, ...]) -> list[int]:
+    """The ops that define a layer's fingerprint (not folded away, not scalar-only)."""
+    out = []
+    for o in ops:
+        op = graph.ops[o]
+        if op.attrs.get("folded"):
+            continue
+        if any(graph.tensors[t].shape for t in (*op.inputs, *op.outputs)):
+            out.append(o)
+    return out
+
+
+def _tied(graph: OpGraph, period: int) -> tuple[dict[int, int], dict[int, int]]:
+    """Maps the ops and parameters of blocks to those of a representative block with the same
+    fingerprint, position by position, so repeated layers share one set of variables.
+
+    With ``period`` p, the k-th block of a fingerprint is tied to the (k mod p)-th: p = 1 ties
+    every transformer block to the first; p = 2 lets consecutive identical layers alternate
+    (the column/row pairs of a Megatron MLP). A block whose ops do not line up with its
+    representative's is left untied.
+    """
+    canon_op: dict[int, int] = {}
+    canon_in: dict[int, int] = {}
+    seen: dict[str, list[int]] = {}
+    by_path = graph.param_by_path
+    for layer in graph.blocks:
+        if layer.op_share != 1.0:  # a scanned stack already shares its body ops
+            continue
+        members = seen.setdefault(layer.fingerprint, [])
+        members.append(layer.index)
+        if len(members) <= period:
+            continue
+        ref = graph.layers[members[(len(members) - 1) % period]]
+        ops, ref_ops = _aligned(graph, layer.ops), _aligned(graph, ref.ops)
+        if len(ops) != len(ref_ops) or any(graph.ops[a].primitive != graph.ops[b].primitive
+                                           for a, b in zip(ops, ref_ops, strict=True)):
+            continue
+        if len(layer.params) != len(ref.params):
+            continue
+        pairs = [(by_path[a].tensor, by_path[b].tensor)
+                 for a, b in zip(layer.params, ref.params, strict=True)]
+        if any(graph.tensors[a].shape != graph.tensors[b].shape for a, b in pairs):
+            continue
+        canon_op.update(zip(ops, ref_ops, strict=True))
+        canon_in.update(pairs)
+    return canon_op, canon_in
 
 
 def _producer(
