@@ -134,3 +134,17 @@ def test_tying_repeated_layers_keeps_the_optimum_with_the_right_period() -> None
     assert len(same_ip.problem.nodes) < len(pair_ip.problem.nodes) < len(untied_ip.problem.nodes)
     assert pair.objective == pytest.approx(untied.objective, rel=1e-6)
     assert same.objective > untied.objective
+
+
+def test_elementwise_followers_shrink_the_ilp_and_keep_the_mlp_optimum() -> None:
+    cluster = sp.Cluster.local(devices=jax.devices()[:4])
+    step, state, x = mlp_step(256, 32)
+    graph = sp.trace(step, state, x)
+    mesh = LogicalMesh.create((4,), ("x",))
+    free = build_intraop_problem(graph, mesh, cluster, reduce_scatter=False, tie_period=0,
+                                 follow=False)
+    followed = build_intraop_problem(graph, mesh, cluster, reduce_scatter=False, tie_period=0)
+    assert len(followed.problem.followers) > len(free.problem.followers)
+    a, b = solve(free.problem), solve(followed.problem)
+    assert b.stats["variables"] < a.stats["variables"]
+    assert b.objective == pytest.approx(a.objective, rel=1e-6)

@@ -97,6 +97,7 @@ def build_intraop_problem(
     reduce_scatter: bool = True,
     time_limit_s: float = 30.0,
     tie_period: int = 1,
+    follow: bool = True,
 ) -> IntraOpProblem:
     """Builds the intra-op problem of ``graph`` on ``mesh`` (see the module docstring).
 
@@ -108,6 +109,8 @@ def build_intraop_problem(
       time_limit_s: the solver's time limit.
       tie_period: give blocks with equal fingerprints one set of variables per residue of their
         position modulo this period (their costs add); 0 ties nothing.
+      follow: elementwise ops follow the producer of their full-size operand (XLA's followers:
+        one strategy per producer strategy, chosen together), which removes most edges.
 
     Raises:
       ClusterError: the mesh spans several device types.
@@ -156,9 +159,19 @@ def build_intraop_problem(
         compute[n] = [c + b * INPUT_BYTE_TIEBREAK_S for c, b in zip(compute[n], local,
                                                                    strict=True)]
         memory[n] = tuple(local)
+    followers: list[Follower] = []
     for op in graph.ops:
+        lead = _follow_target(graph, op, input_nodes, op_nodes) if follow else None
+        if lead is not None and op.id not in canon_op:
+            leader, j, position = lead
+            derived = _follow_strategies(graph, op, mesh, strategies[leader], j, position)
+        else:
+            derived = None
         n = node_for(op.id, op_nodes, canon_op, f"op:{op.id}:{op.primitive}",
-                     lambda op=op: enumerate_strategies(op_rule(graph, op), mesh))
+                     (lambda d=derived: d) if derived is not None else
+                     (lambda op=op: enumerate_strategies(op_rule(graph, op), mesh)))
+        if derived is not None and lead is not None and op_nodes[op.id] == len(strategies) - 1:
+            followers.append(Follower(node=n, leader=lead[0]))
         fused = with_materialized_bytes(op, graph, lambda t: buffers[t])
         for k, s in enumerate(strategies[n]):
             # A partial result is all-reduced once, by its producer, however many ops read it.
@@ -191,7 +204,7 @@ def build_intraop_problem(
     nodes = tuple(Node(name=names[i], compute_cost=tuple(compute[i]),
                        communication_cost=tuple(comm[i]), memory_bytes=memory[i])
                   for i in range(len(strategies)))
-    followers = _optimizer_followers(graph, input_nodes, strategies)
+    followers += _optimizer_followers(graph, input_nodes, strategies)
     problem = Problem(
         nodes,
         tuple(kept),
@@ -206,6 +219,60 @@ def build_intraop_problem(
         op_nodes=op_nodes,
         strategies=tuple(strategies),
     )
+
+
+_FOLLOWERS = frozenset({
+    "add", "add_any", "sub", "mul", "div", "max", "min", "neg", "abs", "sign", "exp", "log",
+    "tanh", "logistic", "sqrt", "rsqrt", "integer_pow", "square", "select_n", "convert_element_type",
+    "erf", "log1p", "expm1", "pow", "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not",
+    "clamp", "floor", "ceil", "round", "is_finite", "reduce_precision", "stop_gradient",
+})
+"""Elementwise primitives that follow the producer of their full-size operand."""
+
+
+def _follow_target(graph: OpGraph, op, input_nodes: Mapping[int, int],
+                   op_nodes: Mapping[int, int]) -> tuple[int, int, int] | None:
+    """(leader node, leader result index, operand position) for an elementwise op whose
+    result has the shape of one of its operands, produced by a node with strategies."""
+    if op.primitive not in _FOLLOWERS or op.structural or len(op.outputs) != 1:
+        return None
+    shape = graph.tensors[op.outputs[0]].shape
+    if not shape:
+        return None
+    for position, t in enumerate(op.inputs):
+        if graph.tensors[t].shape != shape:
+            continue
+        src = _producer(graph, t, input_nodes, op_nodes)
+        if src is not None:
+            return src[0], src[1], position
+    return None
+
+
+def _follow_strategies(graph: OpGraph, op, mesh: LogicalMesh,
+                       leader: tuple[OpStrategy, ...], j: int, position: int
+                       ) -> tuple[OpStrategy, ...] | None:
+    """One strategy per leader strategy: the op sharded like the leader's result."""
+    rule = op_rule(graph, op)
+    dims = rule.operands[position]
+    out: list[OpStrategy] = []
+    for s in leader:
+        spec = s.result_specs[j]
+        factors: dict[int, tuple[str, ...]] = {}
+        for d, axes in enumerate(spec):
+            if not axes:
+                continue
+            if d >= len(dims) or len(dims[d]) != 1:
+                return None
+            factors[dims[d][0]] = axes
+        operand_specs = tuple(tuple(tuple(a for f in fs for a in factors.get(f, ()))
+                                    for fs in operand) for operand in rule.operands)
+        result_specs = tuple(tuple(tuple(a for f in fs for a in factors.get(f, ()))
+                                   for fs in result) for result in rule.results)
+        used = tuple(a for axes in factors.values() for a in axes)
+        out.append(OpStrategy(factors=factors, operand_specs=operand_specs,
+                              result_specs=result_specs, partial_axes=(),
+                              shards=mesh.size(used)))
+    return tuple(out)
 
 
 def _aligned(graph: OpGraph, ops: tuple[int, ...]) -> list[int]:
