@@ -148,3 +148,28 @@ def test_elementwise_followers_shrink_the_ilp_and_keep_the_mlp_optimum() -> None
     a, b = solve(free.problem), solve(followed.problem)
     assert b.stats["variables"] < a.stats["variables"]
     assert b.objective == pytest.approx(a.objective, rel=1e-6)
+
+
+def test_two_node_topology_gets_data_parallel_across_nodes_tensor_parallel_inside() -> None:
+    # 2 nodes x 2 devices, the inter-node link 10x slower than the intra-node one, bound to 4
+    # local devices. The mesh search lays the inner axis inside nodes.
+    from shardplan.planner.mesh import best_mesh, candidate_meshes
+
+    cluster = sp.Cluster.from_dict(
+        {"name": "2x2", "groups": [{
+            "device": "cpu", "nodes": 2, "devices_per_node": 2,
+            "intra_node": {"bandwidth_GB_s": 100.0, "latency_us": 1.0},
+            "inter_node": {"bandwidth_GB_s": 10.0, "latency_us": 10.0}}]},
+        devices=jax.devices()[:4])
+    assert [m.axis_sizes for m in candidate_meshes(range(4), cluster)] == [(4,), (2, 2)]
+    step, state, x = mlp_step(256, 2048)
+    graph = sp.trace(step, state, x)
+    choice = best_mesh(graph, range(4), cluster, reduce_scatter=False, tie_period=2)
+    assert choice.mesh.axis_names == ("outer", "inner") and choice.mesh.axis_sizes == (2, 2)
+    assert choice.mesh.groups(("inner",)) == ((0, 1), (2, 3))  # inner axis = one node
+    specs = decode_input_specs(choice.problem, choice.solution)
+    # Tensor parallel inside a node: every kernel split on "inner" only (column or row).
+    kernels = [specs[p.tensor] for p in _kernels(graph)]
+    assert all(k in (((), ("inner",)), (("inner",), ())) for k in kernels), kernels
+    # Data parallel across nodes: the batch split on "outer".
+    assert [specs[p.tensor] for p in graph.parameters if p.arg_index == 1] == [(("outer",), ())]
