@@ -173,3 +173,30 @@ def test_two_node_topology_gets_data_parallel_across_nodes_tensor_parallel_insid
     assert all(k in (((), ("inner",)), (("inner",), ())) for k in kernels), kernels
     # Data parallel across nodes: the batch split on "outer".
     assert [specs[p.tensor] for p in graph.parameters if p.arg_index == 1] == [(("outer",), ())]
+
+
+def test_memory_budget_below_the_replicated_footprint_shards_the_state() -> None:
+    cluster = sp.Cluster.local(devices=jax.devices()[:4])
+    step, state, x = mlp_step(32, 256)
+    graph = sp.trace(step, state, x)
+    mesh = LogicalMesh.create((4,), ("x",))
+    replicated = sum(p.nbytes for p in graph.parameters)
+
+    def local_bytes(specs):
+        return sum(graph.tensors[t].nbytes // mesh.size([a for axes in spec for a in axes])
+                   for t, spec in specs.items())
+
+    for budget in (replicated * 0.5, replicated * 0.3):
+        ip = build_intraop_problem(graph, mesh, cluster, reduce_scatter=False, tie_period=2,
+                                   memory_budget_bytes=budget)
+        solution = solve(ip.problem)
+        assert solution.status == "optimal"
+        specs = decode_input_specs(ip, solution)
+        assert local_bytes(specs) <= budget
+        sharded = [p for p in graph.parameters if p.role in ("parameter", "optimizer_state")
+                   and any(specs[p.tensor])]
+        assert sharded
+    # Below a quarter of the footprint (everything split 4 ways) nothing fits.
+    ip = build_intraop_problem(graph, mesh, cluster, reduce_scatter=False, tie_period=2,
+                               memory_budget_bytes=replicated * 0.2)
+    assert solve(ip.problem).status == "infeasible"

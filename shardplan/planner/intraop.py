@@ -98,6 +98,7 @@ def build_intraop_problem(
     time_limit_s: float = 30.0,
     tie_period: int = 1,
     follow: bool = True,
+    memory_budget_bytes: float | None = None,
 ) -> IntraOpProblem:
     """Builds the intra-op problem of ``graph`` on ``mesh`` (see the module docstring).
 
@@ -111,6 +112,8 @@ def build_intraop_problem(
         position modulo this period (their costs add); 0 ties nothing.
       follow: elementwise ops follow the producer of their full-size operand (XLA's followers:
         one strategy per producer strategy, chosen together), which removes most edges.
+      memory_budget_bytes: per-device bytes the arguments (parameters, optimizer state, batch)
+        may take; a hard constraint. Activations are not yet part of it.
 
     Raises:
       ClusterError: the mesh spans several device types.
@@ -158,7 +161,8 @@ def build_intraop_problem(
         local = [graph.tensors[p.tensor].nbytes / s.shards for s in strategies[n]]
         compute[n] = [c + b * INPUT_BYTE_TIEBREAK_S for c, b in zip(compute[n], local,
                                                                    strict=True)]
-        memory[n] = tuple(local)
+        # Tied parameters share a node: their bytes add up.
+        memory[n] = tuple(m + b for m, b in zip(memory[n], local, strict=True))
     followers: list[Follower] = []
     for op in graph.ops:
         lead = _follow_target(graph, op, input_nodes, op_nodes) if follow else None
@@ -209,6 +213,9 @@ def build_intraop_problem(
         nodes,
         tuple(kept),
         followers=tuple(followers),
+        liveness=(tuple(sorted(set(input_nodes.values()))),) if memory_budget_bytes else (),
+        memory_budget_bytes=memory_budget_bytes,
+        memory_mode="hard",
         time_limit_s=time_limit_s,
         name=f"intraop:{graph.name}",
     )
