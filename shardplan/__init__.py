@@ -22,6 +22,9 @@ from shardplan.errors import SolverError as SolverError
 from shardplan.errors import TraceError as TraceError
 from shardplan.plan import Plan as Plan
 from shardplan.plan import load_plan as load_plan
+from shardplan.planner.single import PlanConfig as PlanConfig
+from shardplan.planner.single import make_plan as make_plan
+from shardplan.runtime.spmd import apply_plan as apply_plan
 from shardplan.trace import OpGraph as OpGraph
 from shardplan.trace import trace as trace
 
@@ -40,6 +43,7 @@ __all__ = [
     "OpGraph",
     "PipelineError",
     "Plan",
+    "PlanConfig",
     "PlanMismatchError",
     "RuntimeFailure",
     "ShardplanError",
@@ -47,6 +51,8 @@ __all__ = [
     "SolverError",
     "TraceError",
     "__version__",
+    "apply_plan",
     "load_plan",
+    "make_plan",
     "trace",
 ]

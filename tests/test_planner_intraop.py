@@ -15,11 +15,11 @@ from shardplan.planner.intraop import build_intraop_problem, decode_input_specs
 from shardplan.solver import evaluate, solve
 
 
-def mlp_step(width: int, batch: int, layers: int = 6):
+def mlp_step(width: int, batch: int, layers: int = 6, learning_rate: float = 1e-2):
     """Alpa's test MLP: Dense layers with bias and ReLU, MSE against ones, Adam (lr 1e-2)."""
     params = [{"kernel": jax.ShapeDtypeStruct((width, width), jnp.float32),
                "bias": jax.ShapeDtypeStruct((width,), jnp.float32)} for _ in range(layers)]
-    tx = optax.adam(1e-2)
+    tx = optax.adam(learning_rate)
     opt = jax.eval_shape(tx.init, params)
 
     def step(state, x):

@@ -566,7 +566,7 @@ def _check_param_specs(value: object,
                      example="{'0/blocks/0/mlp/kernel': (0, ((), ('model',)))}")
     for key, entry in specs.items():
         where = f"plan.param_specs[{key!r}]"
-        _check_str(key, where="plan.param_specs key")
+        _check_str(key, where="plan.param_specs key", empty_ok=True)  # "" = a bare array
         if isinstance(entry, str) or not isinstance(entry, Sequence) or len(entry) != 2:
             raise _config_error("Expected a pair (stage index, spec).", where=where, value=entry,
                                 remedy="write (0, (('data',), ()))")
@@ -587,7 +587,7 @@ def _check_batch_specs(value: object, stages: tuple[Stage, ...]) -> FrozenMap[st
     specs = _mapping(value, where="plan.batch_specs", example="{'inputs': (('data',), ())}")
     for key, entry in specs.items():
         where = f"plan.batch_specs[{key!r}]"
-        _check_str(key, where="plan.batch_specs key")
+        _check_str(key, where="plan.batch_specs key", empty_ok=True)  # "" = a bare array
         spec = as_spec(entry, where=where)
         for stage in stages:
             _check_axes(spec, stage, where=where)

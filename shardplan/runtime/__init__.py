@@ -1,0 +1,1 @@
+"""Runtime: executes plans (one SPMD program per stage)."""

@@ -1,0 +1,96 @@
+"""``apply_plan`` for single-stage plans: one jitted SPMD program on the plan's mesh.
+
+The state and batch shardings come from the plan (``NamedSharding``s on *Auto* mesh axes, so
+XLA's Shardy propagates the rest); the new state keeps the old state's shardings, so nothing is
+resharded between steps. Plan device ids index ``jax.devices()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardplan.errors import PipelineError, PlanMismatchError, format_error
+from shardplan.plan import Plan
+
+__all__ = ["PlannedStep", "apply_plan"]
+
+
+def _pspec(spec: tuple[tuple[str, ...], ...]) -> P:
+    return P(*[None if not axes else axes[0] if len(axes) == 1 else axes for axes in spec])
+
+
+class PlannedStep:
+    """A train step bound to a plan: call it like the original step."""
+
+    def __init__(self, train_step: Callable[..., Any], plan: Plan) -> None:
+        if len(plan.stages) != 1:
+            raise PipelineError(format_error(
+                "Only single-stage plans run here so far.", where="plan.stages",
+                value=len(plan.stages), remedy="use a single-mesh plan"))
+        self._step = train_step
+        self.plan = plan
+        stage = plan.stages[0]
+        devices = jax.devices()
+        if max(stage.mesh.device_ids) >= len(devices):
+            raise PlanMismatchError(format_error(
+                "The plan uses more devices than jax sees.", where="plan.stages[0].mesh",
+                value=(stage.mesh.device_ids, len(devices)),
+                remedy="run on the machine the plan was made for"))
+        grid = np.array([devices[i] for i in stage.mesh.device_ids]).reshape(
+            stage.mesh.axis_sizes)
+        self.mesh = jax.sharding.Mesh(grid, stage.mesh.axis_names,
+                                      axis_types=(AxisType.Auto,) * len(stage.mesh.axis_names))
+        self._jitted: Any = None
+        self._shardings: Any = None
+
+    def _shardings_for(self, state: Any, batch: Any) -> tuple[Any, Any, Any]:
+        def leaf_sharding(table: Any, arg: str):
+            def one(path: Any, leaf: Any) -> NamedSharding:
+                key = jax.tree_util.keystr(path, simple=True, separator="/")
+                if key not in table:
+                    raise PlanMismatchError(format_error(
+                        f"The {arg} has a leaf the plan does not know.", where=key,
+                        value=getattr(leaf, "shape", None),
+                        remedy="make the plan for this state and batch"))
+                spec = table[key]
+                spec = spec[1] if arg == "state" else spec
+                return NamedSharding(self.mesh, _pspec(spec))
+            return one
+
+        state_sh = jax.tree_util.tree_map_with_path(
+            leaf_sharding(self.plan.param_specs, "state"), state)
+        batch_sh = jax.tree_util.tree_map_with_path(
+            leaf_sharding(self.plan.batch_specs, "batch"), batch)
+        out = jax.eval_shape(self._step, state, batch)
+        metrics_sh = jax.tree.map(lambda _: NamedSharding(self.mesh, P()), out[1])
+        return state_sh, batch_sh, (state_sh, metrics_sh)
+
+    def _ensure(self, state: Any, batch: Any) -> None:
+        if self._jitted is None:
+            state_sh, batch_sh, out_sh = self._shardings_for(state, batch)
+            self._shardings = (state_sh, batch_sh)
+            self._jitted = jax.jit(self._step, in_shardings=(state_sh, batch_sh),
+                                   out_shardings=out_sh)
+
+    def __call__(self, state: Any, batch: Any) -> Any:
+        self._ensure(state, batch)
+        state_sh, batch_sh = self._shardings
+        state = jax.device_put(state, state_sh)
+        batch = jax.device_put(batch, batch_sh)
+        return self._jitted(state, batch)
+
+    def compiled(self, state: Any, batch: Any) -> tuple[jax.stages.Compiled, ...]:
+        """The XLA executables this step runs (one per program)."""
+        self._ensure(state, batch)
+        return (self._jitted.lower(state, batch).compile(),)
+
+
+def apply_plan(train_step: Callable[..., Any], plan: Plan, /) -> PlannedStep:
+    """Binds ``train_step`` to ``plan``; the result has ``train_step``'s signature."""
+    return PlannedStep(train_step, plan)
