@@ -16,6 +16,7 @@ Presets live in ``configs/models/<name>.yaml`` and carry a ``model: gpt|llama|mo
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
 import difflib
@@ -56,7 +57,7 @@ def _did_you_mean(word: str, choices: list[str] | tuple[str, ...]) -> str:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ModelConfig:
+class ModelConfig(abc.ABC):
     """Fields shared by every reference model (the decoder-only transformer skeleton).
 
     Attributes:
@@ -110,9 +111,9 @@ class ModelConfig:
         """Width of one attention head: ``d_model // n_heads``."""
         return self.d_model // self.n_heads
 
+    @abc.abstractmethod
     def num_params(self) -> int:
         """Returns the exact number of parameters of the model this config builds."""
-        raise NotImplementedError(f"{type(self).__name__} does not define num_params()")
 
     def to_dict(self) -> dict[str, Any]:
         """Returns the config as a plain dict, with the ``model`` discriminator first."""

@@ -44,8 +44,7 @@ def _plan(width: int, batch: int, cluster: sp.Cluster, tie_period: int = 2):
     step, state, x = mlp_step(width, batch)
     graph = sp.trace(step, state, x)
     mesh = LogicalMesh.create((4,), ("x",))
-    ip = build_intraop_problem(graph, mesh, cluster, reduce_scatter=False,
-                               tie_period=tie_period)
+    ip = build_intraop_problem(graph, mesh, cluster, tie_period=tie_period)
     solution = solve(ip.problem)
     assert solution.status == "optimal"
     return graph, mesh, ip, solution, decode_input_specs(ip, solution)
@@ -58,7 +57,7 @@ def test_replicated_plan_costs_the_same_in_the_ilp_and_in_the_step_model() -> No
     step, state, x = mlp_step(256, 32)
     graph = sp.trace(step, state, x)
     mesh = LogicalMesh.create((4,), ("x",))
-    ip = build_intraop_problem(graph, mesh, cluster, reduce_scatter=False)
+    ip = build_intraop_problem(graph, mesh, cluster)
     replicated = evaluate(ip.problem, tuple(0 for _ in ip.problem.nodes))
     assert not replicated.violations
     ins, outs = leaf_specs(graph, mesh, lambda p: None)
@@ -141,9 +140,9 @@ def test_elementwise_followers_shrink_the_ilp_and_keep_the_mlp_optimum() -> None
     step, state, x = mlp_step(256, 32)
     graph = sp.trace(step, state, x)
     mesh = LogicalMesh.create((4,), ("x",))
-    free = build_intraop_problem(graph, mesh, cluster, reduce_scatter=False, tie_period=0,
+    free = build_intraop_problem(graph, mesh, cluster, tie_period=0,
                                  follow=False)
-    followed = build_intraop_problem(graph, mesh, cluster, reduce_scatter=False, tie_period=0)
+    followed = build_intraop_problem(graph, mesh, cluster, tie_period=0)
     assert len(followed.problem.followers) > len(free.problem.followers)
     a, b = solve(free.problem), solve(followed.problem)
     assert b.stats["variables"] < a.stats["variables"]
@@ -164,7 +163,7 @@ def test_two_node_topology_gets_data_parallel_across_nodes_tensor_parallel_insid
     assert [m.axis_sizes for m in candidate_meshes(range(4), cluster)] == [(4,), (2, 2)]
     step, state, x = mlp_step(256, 2048)
     graph = sp.trace(step, state, x)
-    choice = best_mesh(graph, range(4), cluster, reduce_scatter=False, tie_period=2)
+    choice = best_mesh(graph, range(4), cluster, tie_period=2)
     assert choice.mesh.axis_names == ("outer", "inner") and choice.mesh.axis_sizes == (2, 2)
     assert choice.mesh.groups(("inner",)) == ((0, 1), (2, 3))  # inner axis = one node
     specs = decode_input_specs(choice.problem, choice.solution)
@@ -187,7 +186,7 @@ def test_memory_budget_below_the_replicated_footprint_shards_the_state() -> None
                    for t, spec in specs.items())
 
     for budget in (replicated * 0.5, replicated * 0.3):
-        ip = build_intraop_problem(graph, mesh, cluster, reduce_scatter=False, tie_period=2,
+        ip = build_intraop_problem(graph, mesh, cluster, tie_period=2,
                                    memory_budget_bytes=budget)
         solution = solve(ip.problem)
         assert solution.status == "optimal"
@@ -197,6 +196,6 @@ def test_memory_budget_below_the_replicated_footprint_shards_the_state() -> None
                    and any(specs[p.tensor])]
         assert sharded
     # Below a quarter of the footprint (everything split 4 ways) nothing fits.
-    ip = build_intraop_problem(graph, mesh, cluster, reduce_scatter=False, tie_period=2,
+    ip = build_intraop_problem(graph, mesh, cluster, tie_period=2,
                                memory_budget_bytes=replicated * 0.2)
     assert solve(ip.problem).status == "infeasible"

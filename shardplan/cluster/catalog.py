@@ -59,6 +59,7 @@ from shardplan.errors import ClusterError
 # DeviceSpec, Efficiency, Link and canonical_dtype live in device.py / link.py; re-exported here
 # because this is where the catalog's values come from.
 __all__ = [
+    "DEVICE_KEYS",
     "DeviceSpec",
     "Efficiency",
     "Link",
@@ -83,7 +84,7 @@ _CATALOG_REQUIRED = (
     "inter_node_link",
     "source",
 )
-_DEVICE_KEYS = (
+DEVICE_KEYS = (
     "name",
     "vendor",
     "description",
@@ -96,6 +97,7 @@ _DEVICE_KEYS = (
     "inter_node_link",
     "source",
 )
+"""The keys of a device YAML, in the catalog's order."""
 _INLINE_NEEDS = (
     "an inline device spec needs at least peak_flops_per_s (e.g. {bf16: 312e12}), "
     "memory_bytes and hbm_bandwidth_bytes_per_s; see configs/devices/*.yaml"
@@ -185,7 +187,7 @@ def parse_device(data: object, where: Where, *, catalog: bool) -> DeviceSpec:
     check_keys(
         d,
         where,
-        allowed=_DEVICE_KEYS,
+        allowed=DEVICE_KEYS,
         required=required,
         remedies={k: f"add '{k}: ...'; {_INLINE_NEEDS}" for k in _INLINE_REQUIRED},
     )

@@ -43,6 +43,7 @@ import numpy as np
 import yaml
 
 from shardplan.cluster import Cluster, DeviceSpec, Efficiency, Link, load_device
+from shardplan.cluster.catalog import DEVICE_KEYS
 from shardplan.errors import ClusterError, format_error
 
 __all__ = [
@@ -356,22 +357,7 @@ class Calibration:
     def to_yaml_dict(self) -> dict[str, Any]:
         """The device in the catalog's YAML schema and key order (``configs/devices/*.yaml``)."""
         d = self.device_spec().to_dict()
-        order = (
-            "name",
-            "vendor",
-            "description",
-            "device_kinds",
-            "peak_flops_per_s",
-            "memory_bytes",
-            "hbm_bandwidth_bytes_per_s",
-            "efficiency",
-            "fallback_dtype",
-            "price_per_hour_usd",
-            "intra_node_link",
-            "inter_node_link",
-            "source",
-        )
-        return {k: d[k] for k in order if d.get(k) is not None}
+        return {k: d[k] for k in DEVICE_KEYS if d.get(k) is not None}
 
     def summary(self) -> str:
         """Lines for a terminal: each measurement, then each efficiency before -> after."""

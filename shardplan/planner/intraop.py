@@ -94,7 +94,6 @@ def build_intraop_problem(
     mesh: LogicalMesh,
     cluster: Cluster,
     *,
-    reduce_scatter: bool = True,
     time_limit_s: float = 30.0,
     tie_period: int = 1,
     follow: bool = True,
@@ -106,7 +105,6 @@ def build_intraop_problem(
       graph: the traced step.
       mesh: a mesh over device ids of one type in ``cluster``.
       cluster: device figures and links.
-      reduce_scatter: the backend has reduce-scatter (False for XLA:CPU).
       time_limit_s: the solver's time limit.
       tie_period: give blocks with equal fingerprints one set of variables per residue of their
         position modulo this period (their costs add); 0 ties nothing.
@@ -192,10 +190,10 @@ def build_intraop_problem(
                           kind=op_class(op, params))
             compute[n][k] += t.time_s * op.count
     edges = _operand_edges(
-        graph, mesh, cluster, strategies, input_nodes, op_nodes, reduce_scatter=reduce_scatter
+        graph, mesh, cluster, strategies, input_nodes, op_nodes
     )
     edges += _state_edges(
-        graph, mesh, cluster, strategies, input_nodes, op_nodes, reduce_scatter=reduce_scatter
+        graph, mesh, cluster, strategies, input_nodes, op_nodes
     )
     # Tied layers make some edges run from a node to itself: their diagonal is a node cost.
     kept: list[Edge] = []
@@ -350,13 +348,10 @@ def _edge_matrix(
     count: int,
     mesh: LogicalMesh,
     cluster: Cluster,
-    *,
-    reduce_scatter: bool,
 ) -> tuple[float, ...]:
     # The producer already reduced any partial sum (its node's communication cost), so an
     # edge only reshards. A backend with reduce-scatter could reduce straight into a sharded
     # consumer for less; that refinement is not priced yet.
-    del reduce_scatter
     cache: dict[tuple[Spec, Spec], float] = {}
     out: list[float] = []
     for s in src:
@@ -377,8 +372,6 @@ def _operand_edges(
     strategies: list[tuple[OpStrategy, ...]],
     input_nodes: Mapping[int, int],
     op_nodes: Mapping[int, int],
-    *,
-    reduce_scatter: bool,
 ) -> list[Edge]:
     edges: list[Edge] = []
     for op in graph.ops:
@@ -397,7 +390,6 @@ def _operand_edges(
                 op.count,
                 mesh,
                 cluster,
-                reduce_scatter=reduce_scatter,
             )
             edges.append(Edge(src=node, dst=dst, cost=cost))
     return edges
@@ -410,8 +402,6 @@ def _state_edges(
     strategies: list[tuple[OpStrategy, ...]],
     input_nodes: Mapping[int, int],
     op_nodes: Mapping[int, int],
-    *,
-    reduce_scatter: bool,
 ) -> list[Edge]:
     """New state leaves are resharded into their input's sharding for the next step."""
     by_path = {(f"{p.arg_index}/{p.path}", p.shape): p.tensor for p in graph.parameters}
@@ -434,7 +424,6 @@ def _state_edges(
             1,
             mesh,
             cluster,
-            reduce_scatter=reduce_scatter,
         )
         edges.append(Edge(src=node, dst=dst, cost=cost))
     return edges

@@ -90,7 +90,7 @@ def make_plan(train_step: Callable[..., Any], state: Any, batch: Any, /, *, clus
     choice: MeshChoice | None = None
     for period in config.tie_periods:
         candidate = best_mesh(graph, group.device_ids, cluster, max_axes=config.max_mesh_axes,
-                              reduce_scatter=reduce_scatter, tie_period=period,
+                              tie_period=period,
                               time_limit_s=config.time_limit_s, memory_budget_bytes=budget)
         objective = candidate.solution.objective
         assert objective is not None
