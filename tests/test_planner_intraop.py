@@ -160,7 +160,7 @@ def test_two_node_topology_gets_data_parallel_across_nodes_tensor_parallel_insid
             "intra_node": {"bandwidth_GB_s": 100.0, "latency_us": 1.0},
             "inter_node": {"bandwidth_GB_s": 10.0, "latency_us": 10.0}}]},
         devices=jax.devices()[:4])
-    assert [m.axis_sizes for m in candidate_meshes(range(4), cluster)] == [(4,), (2, 2)]
+    assert [m.axis_sizes for m in candidate_meshes(range(4), cluster)] == [(2, 2)]
     step, state, x = mlp_step(256, 2048)
     graph = sp.trace(step, state, x)
     choice = best_mesh(graph, range(4), cluster, tie_period=2)
@@ -199,3 +199,28 @@ def test_memory_budget_below_the_replicated_footprint_shards_the_state() -> None
     ip = build_intraop_problem(graph, mesh, cluster, tie_period=2,
                                memory_budget_bytes=replicated * 0.2)
     assert solve(ip.problem).status == "infeasible"
+
+
+def test_candidate_meshes_follow_the_topology_one_per_symmetry_class() -> None:
+    from shardplan.planner.mesh import candidate_meshes
+
+    spec = {"name": "8x8", "groups": [{
+        "device": "a100-80g", "nodes": 8, "devices_per_node": 8,
+        "intra_node": {"bandwidth_GB_s": 300.0, "latency_us": 2.0},
+        "inter_node": {"bandwidth_GB_s": 25.0, "latency_us": 5.0}}]}
+    cluster = sp.Cluster.from_dict(spec)
+    ids = cluster.groups[0].device_ids
+
+    def shapes(ids, cluster, max_axes):
+        return [m.axis_sizes for m in candidate_meshes(ids, cluster, max_axes=max_axes)]
+
+    # Across nodes x inside nodes; 64 on one axis is the 8 x 8 mesh with both axes together.
+    assert shapes(ids, cluster, 2) == [(8, 8)]
+    # Splitting either level (2 x 4 and 4 x 2 cost the same on uniform links).
+    assert shapes(ids, cluster, 3) == [(2, 4, 8), (8, 2, 4)]
+    meshes = candidate_meshes(ids, cluster)
+    assert meshes[0].groups(("inner",))[0] == tuple(range(8))  # the inner axis is one node
+    local = sp.Cluster.local()
+    assert shapes(range(8), local, 2) == [(2, 4)]
+    assert shapes(range(8), local, 3) == [(2, 2, 2)]
+    assert shapes(range(4), sp.Cluster.local(devices=jax.devices()[:4]), 2) == [(2, 2)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import itertools
+import json
 import math
 import random
 import subprocess
@@ -492,6 +493,61 @@ def test_time_out_without_any_plan() -> None:
     solution = solve(problem)
     assert solution.status in ("timeout_no_solution", "infeasible")
     assert solution.assignment is None and solution.objective is None and solution.gap is None
+
+
+def test_an_integral_lp_relaxation_is_the_optimum_without_cp_sat() -> None:
+    # On a chain the marginal LP is integral: its rounding is proven optimal at once.
+    problem = _random_chain(300, seed=3, time_limit_s=30.0)
+    solution = solve(problem)
+    assert solution.stats["lp_relaxation"] == "integral"
+    assert "cp_sat_status" not in solution.stats
+    assert solution.status == "optimal" and solution.gap == 0.0
+    exact = _chain_optimum(problem)
+    assert exact - 1e-6 <= (solution.objective or 0.0) <= exact * (1 + SALTIPLIER) + 1e-3
+
+
+def _knapsack(relative_gap: float) -> Problem:
+    # Five independent nodes, each fast-and-big (strategy 0) or slow-and-small (strategy 1), all
+    # live at once under a budget that fits two big ones: the LP relaxation takes fractions
+    # of a third, so its bound is below the integral optimum.
+    nodes = tuple(Node(f"n{k}", (1.0, 4.0 + k), (0.0, 0.0), (300.0, 100.0)) for k in range(5))
+    return Problem(nodes, (), liveness=(tuple(range(5)),), memory_budget_bytes=1000.0,
+                   relative_gap=relative_gap, time_limit_s=10.0)
+
+
+def test_a_fractional_lp_relaxation_goes_to_cp_sat_unless_its_rounding_is_close_enough() -> None:
+    exact = solve(_knapsack(0.0))
+    assert exact.stats["lp_relaxation"].startswith("fractional")
+    assert exact.status == "optimal" and exact.stats["cp_sat_status"] == "OPTIMAL"
+    # Two big ones (the two slowest small ones avoided): 1 + 1 + 4 + 5 + 6 = 17.
+    assert exact.assignment == (1, 1, 1, 0, 0) and exact.objective == pytest.approx(17.0, rel=2e-3)
+    loose = solve(_knapsack(1.0))
+    assert loose.status in ("feasible", "optimal")
+    assert loose.objective is not None and loose.best_bound is not None
+    assert loose.best_bound <= exact.objective <= loose.objective
+    assert evaluate(_knapsack(1.0), loose.assignment or ()).feasible
+
+
+def test_identical_rows_and_columns_of_an_edge_share_pair_variables() -> None:
+    # 6 strategies on each side but only 2 distinct rows and 3 distinct columns.
+    rows = [0, 0, 0, 1, 1, 1]
+    cols = [0, 1, 2, 0, 1, 2]
+    cost = tuple(float(10 * rows[i] + cols[j] + (5 if rows[i] != cols[j] % 2 else 0))
+                 for i in range(6) for j in range(6))
+    a = Node("a", (3.0, 2.0, 1.0, 3.0, 2.0, 1.5), (0.0,) * 6, (0.0,) * 6)
+    b = Node("b", (1.0, 2.0, 3.0, 1.0, 2.0, 0.5), (0.0,) * 6, (0.0,) * 6)
+    problem = Problem((a, b), (Edge(0, 1, cost),), time_limit_s=10.0)
+    solution = solve(problem)
+    assert solution.stats["edge_variables"] == 2 * 3
+    _, objective = brute_force(problem)
+    assert solution.objective == pytest.approx(objective, rel=2e-3)
+
+
+def test_problems_dumped_before_relative_gap_still_load() -> None:
+    problem = _knapsack(0.25)
+    data = json.loads(problem.to_json())
+    assert data.pop("relative_gap") == 0.25
+    assert Problem.from_json(json.dumps(data)).relative_gap == 0.0
 
 
 # --------------------------------------------------------------------------- no jax

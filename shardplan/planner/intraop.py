@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 
 from shardplan.cluster import Cluster
 from shardplan.cluster.mesh import LogicalMesh
@@ -38,7 +38,7 @@ from shardplan.errors import ClusterError, format_error
 from shardplan.solver import Edge, Follower, Node, Problem, Solution
 from shardplan.trace.graph import OpGraph
 
-__all__ = ["IntraOpProblem", "build_intraop_problem", "decode_input_specs"]
+__all__ = ["IntraOpProblem", "build_intraop_problem", "decode_input_specs", "tie_layers"]
 
 INPUT_BYTE_TIEBREAK_S = 1e-15
 """Seconds charged per byte an input holds on one device. Far below any real cost, it breaks
@@ -79,14 +79,44 @@ def _tensor_rule(shape: tuple[int, ...]) -> OpRule:
     return OpRule(tuple(factors), (), (tuple(dims),))
 
 
-def _steps_time_s(
-    steps: tuple[ReshardStep, ...], nbytes: int, mesh: LogicalMesh, cluster: Cluster
-) -> float:
-    total = 0.0
-    for step in steps:
-        shards = math.prod(mesh.size(axes) for axes in step.result_spec if axes)
-        total += mesh_collective_time_s(step.kind, nbytes / shards, mesh, step.axes, cluster)
-    return total
+class _CommTimes:
+    """Collective times on one mesh, memoised: the same (kind, axes, bytes) recurs across
+    thousands of edge matrix entries, and each evaluation walks every device group's links."""
+
+    def __init__(self, mesh: LogicalMesh, cluster: Cluster) -> None:
+        self.mesh = mesh
+        self.cluster = cluster
+        self._collective: dict[tuple[str, tuple[str, ...], float], float] = {}
+        self._steps: dict[tuple[tuple[ReshardStep, ...], int], float] = {}
+        self._reshard: dict[tuple[Spec, Spec, int], float] = {}
+
+    def collective(self, kind: str, axes: tuple[str, ...], nbytes: float) -> float:
+        key = (kind, axes, nbytes)
+        t = self._collective.get(key)
+        if t is None:
+            t = mesh_collective_time_s(kind, nbytes, self.mesh, axes,  # type: ignore[arg-type]
+                                       self.cluster)
+            self._collective[key] = t
+        return t
+
+    def steps(self, steps: tuple[ReshardStep, ...], nbytes: int) -> float:
+        key = (steps, nbytes)
+        t = self._steps.get(key)
+        if t is None:
+            t = 0.0
+            for step in steps:
+                shards = math.prod(self.mesh.size(axes) for axes in step.result_spec if axes)
+                t += self.collective(step.kind, step.axes, nbytes / shards)
+            self._steps[key] = t
+        return t
+
+    def reshard(self, have: Spec, want: Spec, nbytes: int) -> float:
+        key = (have, want, nbytes)
+        t = self._reshard.get(key)
+        if t is None:
+            t = self.steps(reshard_steps(have, want), nbytes)
+            self._reshard[key] = t
+        return t
 
 
 def build_intraop_problem(
@@ -95,6 +125,7 @@ def build_intraop_problem(
     cluster: Cluster,
     *,
     time_limit_s: float = 30.0,
+    relative_gap: float = 0.0,
     tie_period: int = 1,
     follow: bool = True,
     memory_budget_bytes: float | None = None,
@@ -106,6 +137,7 @@ def build_intraop_problem(
       mesh: a mesh over device ids of one type in ``cluster``.
       cluster: device figures and links.
       time_limit_s: the solver's time limit.
+      relative_gap: the solver stops within this fraction of the proven optimum.
       tie_period: give blocks with equal fingerprints one set of variables per residue of their
         position modulo this period (their costs add); 0 ties nothing.
       follow: elementwise ops follow the producer of their full-size operand (XLA's followers:
@@ -128,8 +160,10 @@ def build_intraop_problem(
         )
     device = cluster.group_of(mesh.device_ids[0]).device
     buffers = buffer_tensors(graph)
+    comm_times = _CommTimes(mesh, cluster)
+    free = _regenerable(graph, {p.tensor for p in graph.parameters})
     params = parameter_tensors(graph)
-    canon_op, canon_in = _tied(graph, tie_period) if tie_period else ({}, {})
+    canon_op, canon_in = tie_layers(graph, tie_period) if tie_period else ({}, {})
     compute: list[list[float]] = []
     comm: list[list[float]] = []
     memory: list[tuple[float, ...]] = []
@@ -163,7 +197,7 @@ def build_intraop_problem(
         memory[n] = tuple(m + b for m, b in zip(memory[n], local, strict=True))
     followers: list[Follower] = []
     for op in graph.ops:
-        lead = _follow_target(graph, op, input_nodes, op_nodes) if follow else None
+        lead = _follow_target(graph, op, input_nodes, op_nodes, free) if follow else None
         if lead is not None and op.id not in canon_op:
             leader, j, position = lead
             derived = _follow_strategies(graph, op, mesh, strategies[leader], j, position)
@@ -179,8 +213,9 @@ def build_intraop_problem(
             # A partial result is all-reduced once, by its producer, however many ops read it.
             if s.partial_axes:
                 comm[n][k] += sum(
-                    _steps_time_s(reduce_steps(spec, spec, s.partial_axes, reduce_scatter=False),
-                                  graph.tensors[t].nbytes, mesh, cluster) * op.count
+                    comm_times.steps(reduce_steps(spec, spec, s.partial_axes,
+                                                  reduce_scatter=False),
+                                     graph.tensors[t].nbytes) * op.count
                     for t, spec in zip(op.outputs, s.result_specs, strict=True))
             if op.structural or op.attrs.get("folded"):
                 continue
@@ -189,12 +224,11 @@ def build_intraop_problem(
                           flops_divisor=s.shards, bytes_divisor=s.shards,
                           kind=op_class(op, params))
             compute[n][k] += t.time_s * op.count
-    edges = _operand_edges(
-        graph, mesh, cluster, strategies, input_nodes, op_nodes
-    )
-    edges += _state_edges(
-        graph, mesh, cluster, strategies, input_nodes, op_nodes
-    )
+    root = {f.node: f.leader for f in followers}
+    edges, diagonals = _edges(graph, comm_times, strategies, input_nodes, op_nodes, free,
+                              lambda n: _root(root, n))
+    for n, diagonal in diagonals:
+        compute[n] = [c + d for c, d in zip(compute[n], diagonal, strict=True)]
     # Tied layers make some edges run from a node to itself: their diagonal is a node cost.
     kept: list[Edge] = []
     for e in edges:
@@ -215,6 +249,7 @@ def build_intraop_problem(
         memory_budget_bytes=memory_budget_bytes,
         memory_mode="hard",
         time_limit_s=time_limit_s,
+        relative_gap=relative_gap,
         name=f"intraop:{graph.name}",
     )
     return IntraOpProblem(
@@ -234,20 +269,55 @@ _FOLLOWERS = frozenset({
 })
 """Elementwise primitives that follow the producer of their full-size operand."""
 
+_UNARY_FOLLOWERS = frozenset({
+    "reshape", "squeeze", "expand_dims", "transpose", "broadcast_in_dim", "reduce_sum",
+    "reduce_max", "reduce_min", "reduce_prod", "scan_slice", "scan_stack", "copy", "copy_p",
+    "cumsum", "cummax", "cummin", "cumprod", "cumlogsumexp",
+})
+"""Data-movement and reduction primitives that follow the producer of their first operand:
+their sharding is a function of the operand's (a sharded reduced dimension leaves a partial
+sum), so a separate choice could only reshard the operand first, which never costs less."""
+
+
+_REGENERABLE = _FOLLOWERS | {"iota", "broadcast_in_dim", "reshape", "transpose", "squeeze",
+                             "expand_dims"}
+
+
+def _regenerable(graph: OpGraph, inputs: Collection[int]) -> frozenset[int]:
+    """Tensors computed from constants alone (an ``iota``, a broadcast literal, a causal mask
+    built from them): every consumer regenerates its own shard in the sharding it reads, as XLA
+    does when it fuses them, so reading them never costs communication."""
+    free: set[int] = set()
+    for op in graph.ops:
+        if op.primitive not in _REGENERABLE and not op.attrs.get("folded"):
+            continue
+        if all(t in free or (graph.tensors[t].producer is None and t not in inputs)
+               for t in op.inputs):
+            free.update(op.outputs)
+    return frozenset(free)
+
 
 def _follow_target(graph: OpGraph, op, input_nodes: Mapping[int, int],
-                   op_nodes: Mapping[int, int]) -> tuple[int, int, int] | None:
-    """(leader node, leader result index, operand position) for an elementwise op whose
-    result has the shape of one of its operands, produced by a node with strategies."""
-    if op.primitive not in _FOLLOWERS or op.structural or len(op.outputs) != 1:
+                   op_nodes: Mapping[int, int], free: frozenset[int] = frozenset(),
+                   ) -> tuple[int, int, int] | None:
+    """(leader node, leader result index, operand position) for an op that follows the
+    producer of one operand: an elementwise op the operand of its own shape, a data-movement
+    or reduction op its first operand."""
+    if op.structural and op.primitive not in ("scan_slice", "scan_stack"):
+        return None
+    if len(op.outputs) != 1 or not op.inputs:
         return None
     shape = graph.tensors[op.outputs[0]].shape
-    if not shape:
+    if op.primitive in _UNARY_FOLLOWERS:
+        positions = [0] if graph.tensors[op.inputs[0]].shape else []
+    elif op.primitive in _FOLLOWERS and shape:
+        positions = [i for i, t in enumerate(op.inputs) if graph.tensors[t].shape == shape]
+    else:
         return None
-    for position, t in enumerate(op.inputs):
-        if graph.tensors[t].shape != shape:
+    for position in positions:
+        if op.inputs[position] in free:
             continue
-        src = _producer(graph, t, input_nodes, op_nodes)
+        src = _producer(graph, op.inputs[position], input_nodes, op_nodes)
         if src is not None:
             return src[0], src[1], position
     return None
@@ -256,7 +326,10 @@ def _follow_target(graph: OpGraph, op, input_nodes: Mapping[int, int],
 def _follow_strategies(graph: OpGraph, op, mesh: LogicalMesh,
                        leader: tuple[OpStrategy, ...], j: int, position: int
                        ) -> tuple[OpStrategy, ...] | None:
-    """One strategy per leader strategy: the op sharded like the leader's result."""
+    """One strategy per leader strategy: the op's operand ``position`` sharded as the leader's
+    result ``j``. ``None`` when some leader sharding does not carry over (a sharded dimension
+    that maps onto no factor, onto a factor that must stay replicated, or onto a factor whose
+    size the axes do not divide)."""
     rule = op_rule(graph, op)
     dims = rule.operands[position]
     out: list[OpStrategy] = []
@@ -266,16 +339,21 @@ def _follow_strategies(graph: OpGraph, op, mesh: LogicalMesh,
         for d, axes in enumerate(spec):
             if not axes:
                 continue
-            if d >= len(dims) or len(dims[d]) != 1:
+            if d >= len(dims) or not dims[d]:
                 return None
-            factors[dims[d][0]] = axes
+            f = dims[d][0]  # a dimension split by a reshape is sharded on its major factor
+            if rule.factors[f].kind == "fixed" or rule.factors[f].size % mesh.size(axes):
+                return None
+            factors[f] = axes
         operand_specs = tuple(tuple(tuple(a for f in fs for a in factors.get(f, ()))
                                     for fs in operand) for operand in rule.operands)
         result_specs = tuple(tuple(tuple(a for f in fs for a in factors.get(f, ()))
                                    for fs in result) for result in rule.results)
+        partial = tuple(a for f, axes in sorted(factors.items())
+                        if rule.factors[f].kind == "reduce" for a in axes)
         used = tuple(a for axes in factors.values() for a in axes)
         out.append(OpStrategy(factors=factors, operand_specs=operand_specs,
-                              result_specs=result_specs, partial_axes=(),
+                              result_specs=result_specs, partial_axes=partial,
                               shards=mesh.size(used)))
     return tuple(out)
 
@@ -292,7 +370,7 @@ def _aligned(graph: OpGraph, ops: tuple[int, ...]) -> list[int]:
     return out
 
 
-def _tied(graph: OpGraph, period: int) -> tuple[dict[int, int], dict[int, int]]:
+def tie_layers(graph: OpGraph, period: int) -> tuple[dict[int, int], dict[int, int]]:
     """Maps the ops and parameters of blocks to those of a representative block with the same
     fingerprint, position by position, so repeated layers share one set of variables.
 
@@ -340,93 +418,64 @@ def _producer(
     return op_nodes[producer], graph.ops[producer].outputs.index(t)
 
 
-def _edge_matrix(
-    src: tuple[OpStrategy, ...],
-    j: int,
-    dst_specs: list[Spec],
-    nbytes: int,
-    count: int,
-    mesh: LogicalMesh,
-    cluster: Cluster,
-) -> tuple[float, ...]:
+def _root(leader: Mapping[int, int], n: int) -> int:
+    while n in leader:
+        n = leader[n]
+    return n
+
+
+def _edge_matrix(src: tuple[OpStrategy, ...], j: int, dst_specs: list[Spec], nbytes: int,
+                 count: int, comm: _CommTimes) -> tuple[float, ...]:
     # The producer already reduced any partial sum (its node's communication cost), so an
     # edge only reshards. A backend with reduce-scatter could reduce straight into a sharded
     # consumer for less; that refinement is not priced yet.
-    cache: dict[tuple[Spec, Spec], float] = {}
-    out: list[float] = []
-    for s in src:
-        have = s.result_specs[j]
-        for want in dst_specs:
-            key = (have, want)
-            if key not in cache:
-                steps = reshard_steps(have, want)
-                cache[key] = _steps_time_s(steps, nbytes, mesh, cluster) * count
-            out.append(cache[key])
-    return tuple(out)
+    return tuple(comm.reshard(s.result_specs[j], want, nbytes) * count
+                 for s in src for want in dst_specs)
 
 
-def _operand_edges(
+def _edges(
     graph: OpGraph,
-    mesh: LogicalMesh,
-    cluster: Cluster,
+    comm: _CommTimes,
     strategies: list[tuple[OpStrategy, ...]],
     input_nodes: Mapping[int, int],
     op_nodes: Mapping[int, int],
-) -> list[Edge]:
-    edges: list[Edge] = []
+    free: frozenset[int],
+    group_of: Callable[[int], int],
+) -> tuple[list[Edge], list[tuple[int, list[float]]]]:
+    """One edge per operand use (the producer's result resharded into what the consumer's
+    strategy reads), and one from each new state leaf back to its input (resharded into the
+    input's sharding for the next step). An edge inside a follower group (both ends take the
+    same strategy index) is returned as a per-strategy cost of its consumer instead."""
+    uses: list[tuple[int, int, list[Spec], int]] = []  # (tensor, dst node, wanted specs, count)
     for op in graph.ops:
         dst = op_nodes[op.id]
         for i, t in enumerate(op.inputs):
-            src = _producer(graph, t, input_nodes, op_nodes)
-            if src is None:
-                continue
-            node, j = src
-            want = [s.operand_specs[i] for s in strategies[dst]]
-            cost = _edge_matrix(
-                strategies[node],
-                j,
-                want,
-                graph.tensors[t].nbytes,
-                op.count,
-                mesh,
-                cluster,
-            )
-            edges.append(Edge(src=node, dst=dst, cost=cost))
-    return edges
-
-
-def _state_edges(
-    graph: OpGraph,
-    mesh: LogicalMesh,
-    cluster: Cluster,
-    strategies: list[tuple[OpStrategy, ...]],
-    input_nodes: Mapping[int, int],
-    op_nodes: Mapping[int, int],
-) -> list[Edge]:
-    """New state leaves are resharded into their input's sharding for the next step."""
+            uses.append((t, dst, [s.operand_specs[i] for s in strategies[dst]], op.count))
     by_path = {(f"{p.arg_index}/{p.path}", p.shape): p.tensor for p in graph.parameters}
-    edges: list[Edge] = []
-    for t, path in zip(graph.outputs, graph.output_paths, strict=True):
-        if t is None or t in input_nodes:
+    for out, path in zip(graph.outputs, graph.output_paths, strict=True):
+        if out is None or out in input_nodes:
             continue
-        target = by_path.get((path, graph.tensors[t].shape))
+        target = by_path.get((path, graph.tensors[out].shape))
+        if target is not None:
+            state = input_nodes[target]
+            uses.append((out, state, [s.result_specs[0] for s in strategies[state]], 1))
+    edges: list[Edge] = []
+    node_costs: list[tuple[int, list[float]]] = []
+    for t, dst, want, count in uses:
         src = _producer(graph, t, input_nodes, op_nodes)
-        if target is None or src is None:
+        if src is None or t in free:
             continue
         node, j = src
-        dst = input_nodes[target]
-        want = [s.result_specs[0] for s in strategies[dst]]
-        cost = _edge_matrix(
-            strategies[node],
-            j,
-            want,
-            graph.tensors[t].nbytes,
-            1,
-            mesh,
-            cluster,
-        )
+        nbytes = graph.tensors[t].nbytes
+        if group_of(node) == group_of(dst) and node != dst:
+            # Same follower group: both take the same strategy index, only the diagonal occurs.
+            diagonal = [comm.reshard(strategies[node][i].result_specs[j], w, nbytes) * count
+                        for i, w in enumerate(want)]
+            node_costs.append((dst, diagonal))
+            continue
+        cost = _edge_matrix(strategies[node], j, want, nbytes, count, comm)
         edges.append(Edge(src=node, dst=dst, cost=cost))
-    return edges
+    return edges, node_costs
 
 
 def _optimizer_followers(

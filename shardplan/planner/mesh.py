@@ -1,9 +1,23 @@
 """Mesh-shape search: lay N devices of one type out as 1–3 logical axes and keep the best.
 
-Devices are ordered by (node, position in node), and meshes are row-major, so the innermost
-axis stays inside a node (the fastest link) and outer axes span nodes. Each factorisation of N
-into at most three factors greater than one is a candidate; the intra-op problem is solved on
-each, and the cheapest plan wins (ties: fewer axes, then the order of enumeration).
+Devices are ordered by (node, position in node) and meshes are row-major, so inner axes stay
+inside a node (the fastest link) and outer axes span nodes. Candidates follow the topology:
+
+* **aligned**: every axis lies inside a node or runs across nodes at one position per node. An
+  axis straddling both (16 over 8 nodes of 8) is the merge of an across-nodes axis and an
+  inside-node axis, whose collectives are the same hierarchical ones; it is not tried (16 × 4 on
+  8 nodes of 8 needs ``max_axes=3``, where its refinement 8 × 2 × 4 is a candidate).
+* **one per symmetry class**: links are uniform at each level, so the order of the axes within
+  a level changes nothing (2 × 4 inside a node costs what 4 × 2 does); one order is kept.
+* **the finest**: a factor may take several adjacent axes, so every strategy on a mesh is a
+  strategy on any refinement of it (split axes) at the same cost; a candidate that another
+  candidate refines can only tie with it and is not solved. 8 devices in one node with two axes
+  give the single candidate 2 × 4 (which also holds the 8-way and 4 × 2 plans).
+
+The intra-op problem is solved on each remaining candidate and the cheapest plan wins (ties: the
+order of enumeration). Two axes are the default: a third multiplies the strategies of a rank-4
+tensor by five, and measured on GPT-3 175B over 8 nodes of 8 the ILP grows from 26,739 to
+447,429 variables (solved in ~1 s vs ~90 s) for the same optimum.
 """
 
 from __future__ import annotations
@@ -25,12 +39,12 @@ AXIS_NAMES = ("outer", "middle", "inner")
 
 
 def _factorisations(n: int, max_axes: int) -> list[tuple[int, ...]]:
+    """Ordered factorisations of ``n`` into at most ``max_axes`` factors greater than one."""
     out: list[tuple[int, ...]] = []
 
     def rec(rest: int, prefix: tuple[int, ...]) -> None:
         if rest == 1:
-            if prefix:
-                out.append(prefix)
+            out.append(prefix)
             return
         if len(prefix) == max_axes:
             return
@@ -39,14 +53,56 @@ def _factorisations(n: int, max_axes: int) -> list[tuple[int, ...]]:
                 rec(rest // f, (*prefix, f))
 
     rec(n, ())
-    return out or [(1,)]
+    return out
+
+
+def _refines(fine: tuple[int, ...], coarse: tuple[int, ...]) -> bool:
+    """Whether merging runs of adjacent factors of ``fine`` can give ``coarse``."""
+    if not coarse:
+        return not fine
+    product = 1
+    for k, f in enumerate(fine):
+        product *= f
+        if product == coarse[0]:
+            return _refines(fine[k + 1:], coarse[1:])
+        if product > coarse[0]:
+            return False
+    return False
+
+
+def _shapes(nodes: int, per_node: int, max_axes: int) -> list[tuple[int, ...]]:
+    """Aligned mesh shapes (across-node factors, then inside-node factors), one per symmetry
+    class, without those another candidate refines."""
+    levels: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for across in _factorisations(nodes, max_axes):
+        for inside in _factorisations(per_node, max_axes - len(across)):
+            key = (tuple(sorted(across)), tuple(sorted(inside)))
+            if key not in levels:
+                levels.append(key)
+    finest = [
+        (a, b) for a, b in levels
+        if not any((a2, b2) != (a, b) and _refines(a2, a) and _refines(b2, b) for a2, b2 in levels)
+    ]
+    return [a + b or (1,) for a, b in finest]
 
 
 def candidate_meshes(device_ids: Sequence[int], cluster: Cluster, *,
-                     max_axes: int = 3) -> list[LogicalMesh]:
-    """The logical meshes over ``device_ids``, fewest axes first."""
+                     max_axes: int = 2) -> list[LogicalMesh]:
+    """The logical meshes over ``device_ids`` worth solving (see the module docstring), fewest
+    axes first.
+
+    Devices spread unevenly over nodes have no aligned layout; every factorisation is then a
+    candidate.
+    """
     ids = sorted(device_ids, key=lambda d: (cluster.node_of(d), d))
-    shapes = sorted(_factorisations(len(ids), max_axes), key=lambda s: (len(s), s))
+    per: dict[int, int] = {}
+    for d in ids:
+        per[cluster.node_of(d)] = per.get(cluster.node_of(d), 0) + 1
+    if len(set(per.values())) == 1:
+        shapes = _shapes(len(per), next(iter(per.values())), max_axes)
+    else:
+        shapes = [f for f in _factorisations(len(ids), max_axes) if f] or [(1,)]
+    shapes.sort(key=lambda shape: (len(shape), shape))
     meshes = []
     for shape in shapes:
         names = {1: ("inner",), 2: ("outer", "inner"), 3: AXIS_NAMES}[len(shape)]
@@ -65,7 +121,7 @@ class MeshChoice:
 
 
 def best_mesh(graph: OpGraph, device_ids: Sequence[int], cluster: Cluster, *,
-              max_axes: int = 3, **build_options: object) -> MeshChoice:
+              max_axes: int = 2, **build_options: object) -> MeshChoice:
     """Solves the intra-op problem on every candidate mesh and keeps the cheapest.
 
     Raises:

@@ -18,7 +18,7 @@ from shardplan.cost.sharding import analyze_sharding, leaf_specs
 from shardplan.cost.step import step_cost
 from shardplan.errors import PipelineError, format_error
 from shardplan.plan import MeshSpec, Plan, Predicted, Stage
-from shardplan.planner.intraop import decode_input_specs
+from shardplan.planner.intraop import decode_input_specs, tie_layers
 from shardplan.planner.mesh import MeshChoice, best_mesh
 from shardplan.trace import trace
 from shardplan.trace.graph import OpGraph
@@ -34,14 +34,18 @@ class PlanConfig:
       memory_budget_bytes: per-device bytes the state and batch may take (None: the device's
         memory).
       time_limit_s: the solver's limit per candidate mesh.
+      relative_gap: accept a sharding whose predicted cost is within this fraction of the
+        proven optimum (the LP bound); 1 % by default, above the 0.1 % tie-breaking salt.
       tie_periods: layer-tying periods to try (1: every block alike; 2: alternating pairs).
-      max_mesh_axes: most logical mesh axes.
+      max_mesh_axes: most logical mesh axes (see :mod:`shardplan.planner.mesh`; 3 makes
+        the problem about 17 times larger).
     """
 
     memory_budget_bytes: float | None = None
     time_limit_s: float = 30.0
+    relative_gap: float = 0.01
     tie_periods: tuple[int, ...] = (1, 2)
-    max_mesh_axes: int = 3
+    max_mesh_axes: int = 2
 
     def content_hash(self) -> str:
         text = json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -88,10 +92,16 @@ def make_plan(train_step: Callable[..., Any], state: Any, batch: Any, /, *, clus
     budget = config.memory_budget_bytes or float(group.device.memory_bytes)
     reduce_scatter = group.device.name != "cpu"  # XLA:CPU keeps all-reduce + slice
     choice: MeshChoice | None = None
+    seen: list[object] = []
     for period in config.tie_periods:
+        ties = tie_layers(graph, period) if period else ({}, {})
+        if ties in seen:  # e.g. a scanned stack, or too few blocks: the same problem again
+            continue
+        seen.append(ties)
         candidate = best_mesh(graph, group.device_ids, cluster, max_axes=config.max_mesh_axes,
                               tie_period=period,
-                              time_limit_s=config.time_limit_s, memory_budget_bytes=budget)
+                              time_limit_s=config.time_limit_s,
+                              relative_gap=config.relative_gap, memory_budget_bytes=budget)
         objective = candidate.solution.objective
         assert objective is not None
         if choice is None or objective < (choice.solution.objective or float("inf")):

@@ -39,6 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ortools.linear_solver import pywraplp
 from ortools.sat.python import cp_model
 
 from shardplan.errors import SolverError, format_error
@@ -81,6 +82,9 @@ class _Model:
     model: cp_model.CpModel
     x: dict[int, list[Any]]
     stats: dict[str, Any]
+    exact_objective: dict[int, float]
+    """Objective coefficient per variable index in problem units before integer rounding (the
+    LP relaxation uses these: rounding creates exact ties, and ties fractional optima)."""
 
 
 def _build(
@@ -99,6 +103,7 @@ def _build(
     would pass half a dozen accumulators between helpers.
     """
     model = cp_model.CpModel()
+    exact: dict[int, float] = {}
     x: dict[int, list[Any]] = {}
     obj_vars: list[Any] = []
     obj_coefs: list[int] = []
@@ -112,25 +117,30 @@ def _build(
             else:
                 obj_vars.append(var)
                 obj_coefs.append(scaling.to_int(red.cost[r][s]))
+                exact[var.index] = red.cost[r][s]
                 cap_coefs.append(scaling.to_int(red.plain[r][s]))
     edge_vars = 0
     for (u, v), m in red.edges.items():
-        row_terms: dict[int, list[Any]] = {i: [] for i in red.allowed(u)}
-        col_terms: dict[int, list[Any]] = {j: [] for j in red.allowed(v)}
-        for i in row_terms:
-            for j in col_terms:
-                if math.isinf(m[i][j]):
+        rows, cols = _classes(m, red.allowed(u), red.allowed(v))
+        row_terms: dict[int, list[Any]] = {a: [] for a in range(len(rows))}
+        col_terms: dict[int, list[Any]] = {b: [] for b in range(len(cols))}
+        for a, row in enumerate(rows):
+            for b, col in enumerate(cols):
+                c = m[row[0]][col[0]]
+                if math.isinf(c):
                     continue
-                y = model.new_bool_var(f"y{u}_{i}_{v}_{j}")
-                row_terms[i].append(y)
-                col_terms[j].append(y)
+                y = model.new_bool_var(f"y{u}_{a}_{v}_{b}")
+                row_terms[a].append(y)
+                col_terms[b].append(y)
                 obj_vars.append(y)
-                obj_coefs.append(scaling.to_int(m[i][j]))
+                obj_coefs.append(scaling.to_int(c))
+                exact[y.index] = c
                 cap_coefs.append(obj_coefs[-1])
                 edge_vars += 1
-        for lhs, marginals in ((x[u], row_terms), (x[v], col_terms)):
+        for lhs, classes, marginals in ((x[u], rows, row_terms), (x[v], cols, col_terms)):
             for k, terms in marginals.items():
-                model.add(cp_model.LinearExpr.sum(terms) == lhs[k])
+                model.add(cp_model.LinearExpr.sum(terms)
+                          == cp_model.LinearExpr.sum([lhs[i] for i in classes[k]]))
     if "alias" in families:
         for ra, i, rb, j in red.alias_pairs:
             model.add_bool_or([x[ra][i].Not(), x[rb][j].Not()])
@@ -145,13 +155,33 @@ def _build(
         if excess is not None and scaling.penalty_int:
             terms.append(excess)
             coefs.append(scaling.penalty_int)
+            exact[excess.index] = scaling.penalty_int / (scaling.cost_scale * scaling.int_per_unit)
         model.minimize(cp_model.LinearExpr.weighted_sum(terms, coefs) + constant)
     if hint is not None:
         for r, var_list in x.items():
             for s, var in enumerate(var_list):
                 model.add_hint(var, s == hint[r])
     stats = {"node_variables": sum(len(v) for v in x.values()), "edge_variables": edge_vars}
-    return _Model(model, x, stats)
+    return _Model(model, x, stats, exact)
+
+
+def _classes(m: list[list[float]], rows: list[int], cols: list[int]
+             ) -> tuple[list[list[int]], list[list[int]]]:
+    """Groups an edge matrix's allowed rows with equal entries, then its columns likewise.
+
+    Pair variables are made per (row class, column class) with the marginals summed over each
+    class: exact (one strategy per node picks one class on each side, and every pair in a class
+    pair costs the same) and much smaller, since many strategies of a node produce or read the
+    same sharding of the value on the edge.
+    """
+    by_row: dict[tuple[float, ...], list[int]] = {}
+    for i in rows:
+        by_row.setdefault(tuple(m[i][j] for j in cols), []).append(i)
+    row_classes = list(by_row.values())
+    by_col: dict[tuple[float, ...], list[int]] = {}
+    for j in cols:
+        by_col.setdefault(tuple(m[r[0]][j] for r in row_classes), []).append(j)
+    return row_classes, list(by_col.values())
 
 
 def _add_departures(
@@ -242,6 +272,86 @@ def _add_cost_cap(
     model.add(cp_model.LinearExpr.weighted_sum(terms, coefs) + constant <= cap)
 
 
+# --------------------------------------------------------------------------- LP first
+
+LP_INTEGRALITY_TOLERANCE = 1e-6
+"""A strategy boolean whose relaxed value is within this of 0 or 1 counts as integral."""
+
+
+def _bound(value: int, lp: pywraplp.Solver) -> float:
+    """A CP-SAT domain end as an LP bound (its int64 extremes mean unbounded)."""
+    if value <= cp_model.INT_MIN:
+        return -lp.infinity()
+    if value >= cp_model.INT_MAX:
+        return lp.infinity()
+    return float(value)
+
+
+def _lp_relaxation(built: _Model) -> tuple[dict[int, int], bool, float] | None:
+    """Solves the model's LP relaxation with GLOP.
+
+    Returns ``(assignment, integral, bound)``: the relaxed optimum rounded to the largest value
+    per node group, whether it was integral already, and the relaxed optimum's value in problem
+    units without the folded constant (a lower bound on every assignment's salted cost); None
+    if the model has a constraint this does not translate or GLOP does not reach an optimum.
+
+    The relaxation of the marginal formulation is integral on chains and trees and, measured on
+    traced train steps (transformer blocks with residual and attention fan-out), integral on
+    their DAGs too unless a memory budget binds (a knapsack). An integral relaxed optimum is an
+    optimum of the ILP (its value bounds the ILP's from below and the point is feasible), so
+    CP-SAT is only needed when the relaxation is fractional and its rounding is not within the
+    problem's ``relative_gap``. GLOP is a deterministic simplex: the result does not depend on
+    time limits or threads. The model's booleans become ``[0, 1]`` variables and every
+    constraint (linear, exactly-one, a clause ``¬a ∨ ¬b``) its linear form; costs are the
+    unrounded ones (integer rounding creates exact ties, and ties fractional optima).
+    """
+    proto = built.model.proto
+    lp = pywraplp.Solver.CreateSolver("GLOP")
+    if lp is None:  # pragma: no cover - GLOP ships in every ortools wheel
+        return None
+    lp.SetNumThreads(1)
+    # (The proto's repeated fields do not support negative indexing: copy them to lists.)
+    domains = [list(var.domain) for var in proto.variables]
+    v = [lp.NumVar(float(d[0]), float(d[-1]), "") for d in domains]
+
+    def literal(ref: int) -> tuple[Any, float, float]:  # (variable, coefficient, constant)
+        return (v[ref], 1.0, 0.0) if ref >= 0 else (v[-ref - 1], -1.0, 1.0)
+
+    for c in proto.constraints:
+        if c.has_linear():
+            domain = list(c.linear.domain)
+            if len(domain) != 2:
+                return None
+            row = lp.Constraint(_bound(domain[0], lp), _bound(domain[1], lp))
+            for ref, coef in zip(c.linear.vars, c.linear.coeffs, strict=True):
+                row.SetCoefficient(v[ref], float(coef))
+        elif c.has_exactly_one():
+            row = lp.Constraint(1.0, 1.0)
+            for ref in c.exactly_one.literals:
+                row.SetCoefficient(v[ref], 1.0)
+        elif c.has_bool_or():  # sum of literals >= 1
+            terms = [literal(ref) for ref in c.bool_or.literals]
+            row = lp.Constraint(1.0 - sum(k for _, _, k in terms), lp.infinity())
+            for var, coef, _ in terms:
+                row.SetCoefficient(var, coef)
+        else:
+            return None
+    objective = lp.Objective()
+    for ref, coef in built.exact_objective.items():
+        objective.SetCoefficient(v[ref], coef)
+    objective.SetMinimization()
+    if lp.Solve() != pywraplp.Solver.OPTIMAL:
+        return None
+    choice: dict[int, int] = {}
+    integral = True
+    for r, xs in built.x.items():
+        values = [v[x.index].solution_value() for x in xs]
+        if any(LP_INTEGRALITY_TOLERANCE < q < 1 - LP_INTEGRALITY_TOLERANCE for q in values):
+            integral = False
+        choice[r] = max(range(len(values)), key=lambda s: (values[s], -s))
+    return choice, integral, objective.Value()
+
+
 # --------------------------------------------------------------------------- solving
 
 
@@ -249,6 +359,7 @@ def _run(built: _Model, problem: Problem, time_limit_s: float) -> tuple[Any, cp_
     solver = cp_model.CpSolver()
     params = solver.parameters
     params.max_time_in_seconds = max(time_limit_s, 1e-3)
+    params.relative_gap_limit = problem.relative_gap
     params.random_seed = problem.seed
     params.num_workers = problem.workers
     params.interleave_search = False
@@ -384,6 +495,24 @@ def solve(problem: Problem, /) -> Solution:
     hint = hint_assignment(problem, red)
     built = _build(problem, red, scaling, families=frozenset(_FAMILIES), hint=hint)
     stats = _model_stats(red, scaling, built)
+    relaxed = _lp_relaxation(built)
+    if relaxed is not None:
+        choice, integral, bound = relaxed
+        assignment = tuple(choice[red.root[i]] for i in range(len(problem.nodes)))
+        evaluation = evaluate(problem, assignment)
+        # The relaxation bounds the salted objective; salt adds at most SALTIPLIER to costs.
+        lower = (bound + red.constant) / (1.0 + SALTIPLIER)
+        exact = evaluation.cost.total
+        gap = 0.0 if integral else max(0.0, (exact - lower) / exact) if exact > 0 else 0.0
+        stats["lp_relaxation"] = "integral" if integral else f"fractional, rounded gap {gap:.3g}"
+        if evaluation.feasible and (integral or gap <= problem.relative_gap):
+            return Solution(status="optimal" if integral else "feasible",
+                            assignment=assignment, objective=exact,
+                            best_bound=exact if integral else lower, gap=gap,
+                            solve_time_s=time.perf_counter() - start, stats=stats)
+        if evaluation.feasible:
+            built = _build(problem, red, scaling, families=frozenset(_FAMILIES),
+                           hint=dict(choice))
     status, solver = _run(built, problem, problem.time_limit_s)
     stats.update(
         cp_sat_status=solver.status_name(status),

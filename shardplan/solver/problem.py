@@ -222,6 +222,8 @@ class Problem:
       aliases: forbidden strategy pairs.
       hints: a starting assignment handed to the solver (does not change the optimum).
       time_limit_s: wall-clock limit of one solve.
+      relative_gap: accept a solution whose cost is within this fraction of the proven lower
+        bound (0: prove optimality); the LP relaxation's rounding or CP-SAT stops there.
       seed: random seed of the solver.
       workers: solver threads; 1 (the default) is deterministic.
       name: a label for logs and JSON files.
@@ -240,6 +242,7 @@ class Problem:
     aliases: tuple[Alias, ...] = ()
     hints: tuple[int, ...] | None = None
     time_limit_s: float = 60.0
+    relative_gap: float = 0.0
     seed: int = 0
     workers: int = 1
     name: str = ""
@@ -259,6 +262,7 @@ class Problem:
             set_(self, "max_cost", float(self.max_cost))
         set_(self, "overbudget_coeff", float(self.overbudget_coeff))
         set_(self, "time_limit_s", float(self.time_limit_s))
+        set_(self, "relative_gap", float(self.relative_gap))
         set_(self, "seed", int(self.seed))
         set_(self, "workers", int(self.workers))
         _validate(self)
@@ -437,6 +441,7 @@ def _validate_options(problem: Problem) -> None:
         ("max_departures", problem.max_departures, True),
         ("overbudget_coeff", problem.overbudget_coeff, False),
         ("time_limit_s", problem.time_limit_s, False),
+        ("relative_gap", problem.relative_gap, False),
     ]
     for key, value, optional in checks:
         if value is None and optional:
@@ -522,6 +527,7 @@ _PROBLEM_KEYS = {
     "aliases",
     "hints",
     "time_limit_s",
+    "relative_gap",
     "seed",
     "workers",
 }
@@ -552,12 +558,14 @@ def _problem_to_dict(p: Problem) -> dict[str, Any]:
         "aliases": [{"a": a.a, "b": a.b, "allowed": list(a.allowed)} for a in p.aliases],
         "hints": None if p.hints is None else list(p.hints),
         "time_limit_s": p.time_limit_s,
+        "relative_gap": p.relative_gap,
         "seed": p.seed,
         "workers": p.workers,
     }
 
 
 def _problem_from_dict(d: dict[str, Any]) -> Problem:
+    d = {"relative_gap": 0.0, **d}  # absent from dumps made before it existed
     _check_keys(d, _PROBLEM_KEYS, where="Problem")
     nodes = tuple(
         Node(
@@ -583,6 +591,7 @@ def _problem_from_dict(d: dict[str, Any]) -> Problem:
         aliases=tuple(Alias(a["a"], a["b"], tuple(a["allowed"])) for a in d["aliases"]),
         hints=None if d["hints"] is None else tuple(d["hints"]),
         time_limit_s=d["time_limit_s"],
+        relative_gap=d["relative_gap"],
         seed=d["seed"],
         workers=d["workers"],
         name=d["name"],
