@@ -35,7 +35,8 @@ __all__ = ["CollectiveKind", "PredictedCollective", "ReshardStep", "ShardingAnal
            "analyze_sharding", "leaf_specs", "normalize_spec", "reduce_steps", "reshard_steps"]
 
 Spec = tuple[tuple[str, ...], ...]
-CollectiveKind = Literal["all-reduce", "all-gather", "reduce-scatter", "all-to-all"]
+CollectiveKind = Literal["all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                         "collective-permute"]
 _MAX_ROUNDS = 8
 
 
@@ -245,7 +246,9 @@ class _Propagator:
 
 def analyze_sharding(graph: OpGraph, mesh: LogicalMesh, input_specs: Mapping[int, Spec],
                      output_specs: Mapping[int, Spec] | None = None, *,
-                     reduce_scatter: bool = True) -> ShardingAnalysis:
+                     reduce_scatter: bool = True,
+                     op_factors: Mapping[int, Mapping[int, tuple[str, ...]]] | None = None,
+                     ) -> ShardingAnalysis:
     """Propagates shardings from the given tensors and derives communication and work.
 
     Args:
@@ -257,6 +260,9 @@ def analyze_sharding(graph: OpGraph, mesh: LogicalMesh, input_specs: Mapping[int
       reduce_scatter: whether the backend turns an all-reduce followed by a slice into a
         reduce-scatter (XLA's GPU and TPU pipelines do; the CPU pipeline keeps the all-reduce
         of the whole buffer and slices it: see ``DeviceSpec``'s platform).
+      op_factors: ``{op id: {factor id: mesh axes}}`` for ops whose strategy is decided (a
+        solver's choice, which the runtime pins): placed as given instead of inferred from
+        their operands.
 
     Returns:
       The :class:`ShardingAnalysis`.
@@ -271,11 +277,12 @@ def analyze_sharding(graph: OpGraph, mesh: LogicalMesh, input_specs: Mapping[int
             prop.specs[out] = list(spec)
             prop.fixed[out] = True
     prop.propagate()
-    return _place(graph, mesh, prop, reduce_scatter=reduce_scatter)
+    return _place(graph, mesh, prop, reduce_scatter=reduce_scatter, op_factors=op_factors or {})
 
 
 def _place(graph: OpGraph, mesh: LogicalMesh, prop: _Propagator, *,
-           reduce_scatter: bool) -> ShardingAnalysis:
+           reduce_scatter: bool,
+           op_factors: Mapping[int, Mapping[int, tuple[str, ...]]]) -> ShardingAnalysis:
     specs: list[Spec] = [tuple(s) for s in prop.specs]
     op_axes: list[tuple[str, ...]] = []
     collectives: list[PredictedCollective] = []
@@ -294,7 +301,9 @@ def _place(graph: OpGraph, mesh: LogicalMesh, prop: _Propagator, *,
 
     for op in graph.ops:
         rule = prop.rules[op.id]
-        final = prop.assignment(op.id, with_results=True)
+        decided = op_factors.get(op.id)
+        final = (dict(decided) if decided is not None
+                 else prop.assignment(op.id, with_results=True))
         op_axes.append(tuple(sorted({a for axes in final.values() for a in axes},
                                     key=mesh.axis_names.index)))
         if op.structural:
@@ -328,7 +337,7 @@ def reshard_steps(have: Spec, want: Spec) -> tuple[ReshardStep, ...]:
 
     Axes that ``want`` adds are free (each device slices its part); axes ``have`` carries on a
     dimension where ``want`` has them on another are an all-to-all; axes ``want`` drops are
-    all-gathered.
+    all-gathered; axes a dimension keeps in another order are a collective-permute.
     """
     if have == want:
         return ()
@@ -342,6 +351,16 @@ def reshard_steps(have: Spec, want: Spec) -> tuple[ReshardStep, ...]:
         steps.append(ReshardStep("all-to-all", moved, after_drop))
     if dropped:
         steps.append(ReshardStep("all-gather", dropped, after_drop))
+    # Axes a dimension keeps but in another order (("inner", "outer") -> ("outer", "inner"))
+    # put each shard on another device: XLA moves them with a collective-permute.
+    reordered: list[str] = []
+    for d, axes in enumerate(after_drop):
+        wanted = want[d] if d < len(want) else ()
+        kept = [a for a in axes if a in wanted]
+        if kept != [a for a in wanted if a in kept]:
+            reordered += kept
+    if reordered:
+        steps.append(ReshardStep("collective-permute", tuple(reordered), after_drop))
     return tuple(steps)
 
 

@@ -51,12 +51,13 @@ _NO_SOURCE = "<plan JSON>"
 # Keys of each JSON object: (required, optional). Optional keys take the dataclass default.
 _PLAN_KEYS = ({"schema_version", "shardplan_version", "graph_fingerprint", "cluster_hash",
                "config_hash", "stages", "param_specs", "batch_specs", "predicted", "solver"},
-              {"microbatches", "schedule", "notes"})
+              {"constraints", "microbatches", "schedule", "notes"})
 _STAGE_KEYS = ({"index", "device_type", "mesh", "layers"}, {"remat"})
 _MESH_KEYS = ({"axis_names", "axis_sizes", "device_ids"}, set[str]())
 _PREDICTED_KEYS = ({"step_time_s", "compute_s", "communication_s", "memory_bytes",
                     "collectives"}, set[str]())
 _PARAM_KEYS = ({"stage", "spec"}, set[str]())
+_CONSTRAINT_KEYS = ({"stage", "results", "operands"}, set[str]())
 
 
 # --------------------------------------------------------------------------- plan -> JSON
@@ -98,6 +99,9 @@ def plan_to_dict(plan: Plan, /, *, volatile: bool = True) -> dict[str, Any]:
         "param_specs": {k: {"stage": stage, "spec": _spec_json(spec)}
                         for k, (stage, spec) in plan.param_specs.items()},
         "batch_specs": {k: _spec_json(spec) for k, spec in plan.batch_specs.items()},
+        "constraints": {k: {"stage": stage, "results": [_spec_json(s) for s in results],
+                            "operands": [_spec_json(s) for s in operands]}
+                        for k, (stage, results, operands) in plan.constraints.items()},
         "microbatches": plan.microbatches,
         "schedule": plan.schedule,
         "predicted": {
@@ -262,12 +266,25 @@ def _param_specs(data: object, *, where: str) -> dict[str, tuple[int, Any]]:
     return out
 
 
+def _constraints(data: object, *, where: str) -> dict[str, tuple[int, Any, Any]]:
+    if not isinstance(data, dict):
+        raise _fail("Expected a JSON object {equation path: {stage, results, operands}}.",
+                    where=where, value=data,
+                    remedy='write e.g. {"12": {"stage": 0, "results": [[["data"]]], '
+                           '"operands": [[["data"]]]}}')
+    out: dict[str, tuple[int, Any, Any]] = {}
+    for key, entry in data.items():
+        e = _object(entry, _CONSTRAINT_KEYS, where=f"{where}[{key!r}]")
+        out[key] = (e["stage"], e["results"], e["operands"])
+    return out
+
+
 def _plan_from_data(data: object) -> Plan:
     if isinstance(data, dict) and "schema_version" in data:
         # Before the key checks: another version's keys would be reported as unknown.
         check_schema_version(data["schema_version"], made_by=data.get("shardplan_version"))
     d = _object(data, _PLAN_KEYS, where="plan")
-    defaults = {"microbatches": 1, "schedule": "none", "notes": []}
+    defaults = {"constraints": {}, "microbatches": 1, "schedule": "none", "notes": []}
     d = {**defaults, **d}
     return Plan(
         schema_version=d["schema_version"],
@@ -279,6 +296,7 @@ def _plan_from_data(data: object) -> Plan:
                      for i, s in enumerate(_list(d["stages"], where="plan.stages"))),
         param_specs=_param_specs(d["param_specs"], where="plan.param_specs"),
         batch_specs=d["batch_specs"],
+        constraints=_constraints(d["constraints"], where="plan.constraints"),
         microbatches=d["microbatches"],
         schedule=d["schedule"],
         predicted=_predicted(d["predicted"], where="plan.predicted"),

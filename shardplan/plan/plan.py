@@ -43,10 +43,10 @@ __all__ = [
     "natural_key",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """Version of the JSON layout :meth:`Plan.to_json` writes (``docs/plan-format.md``)."""
 
-SUPPORTED_SCHEMA_VERSIONS: tuple[int, ...] = (1,)
+SUPPORTED_SCHEMA_VERSIONS: tuple[int, ...] = (2,)
 """Schema versions :meth:`Plan.from_json` reads."""
 
 VOLATILE_SOLVER_SUFFIX = "_time_s"
@@ -389,6 +389,13 @@ class Plan:
       param_specs: ``{state key path: (stage index, spec)}`` for every state leaf.
       batch_specs: ``{batch key path: spec}``; each spec must fit every stage's mesh, since the
         runtime places a batch leaf on whichever stage reads it.
+      constraints: ``{equation path: (stage index, spec of each result, spec of each
+        operand)}``: shardings the runtime pins with ``with_sharding_constraint`` on what an
+        equation reads and writes, so the compiled program does what the plan predicts (the
+        partitioner does not choose how to compute a matmul whose operands and result are all
+        fixed). An equation path is ``"12"`` for the 13th
+        top-level equation of the traced step, ``"12/3"`` for the 4th equation inside the call
+        (``jit``, custom derivative) that equation makes (:attr:`shardplan.trace.Op.path`).
       microbatches: microbatches per step (``1``: no gradient accumulation).
       schedule: pipeline schedule, ``"none"`` for a single stage.
       predicted: the cost model's prediction.
@@ -405,6 +412,8 @@ class Plan:
     stages: tuple[Stage, ...]
     param_specs: Mapping[str, tuple[int, Spec]]
     batch_specs: Mapping[str, Spec]
+    constraints: Mapping[str, tuple[int, tuple[Spec, ...], tuple[Spec, ...]]] = (
+        dataclasses.field(default_factory=dict))
     microbatches: int = 1
     schedule: str = "none"
     predicted: Predicted
@@ -430,6 +439,7 @@ class Plan:
         _check_stages(stages)
         object.__setattr__(self, "param_specs", _check_param_specs(self.param_specs, stages))
         object.__setattr__(self, "batch_specs", _check_batch_specs(self.batch_specs, stages))
+        object.__setattr__(self, "constraints", _check_constraints(self.constraints, stages))
         devices = {d for s in stages for d in s.mesh.device_ids}
         unknown = sorted(set(self.predicted.memory_bytes) - devices)
         if unknown:
@@ -579,6 +589,42 @@ def _check_param_specs(value: object,
         spec = as_spec(entry[1], where=where)
         _check_axes(spec, stages[stage], where=where)
         out[key] = (stage, spec)
+    return FrozenMap(out)
+
+
+def _check_constraints(value: object, stages: tuple[Stage, ...]
+                       ) -> FrozenMap[str, tuple[int, tuple[Spec, ...], tuple[Spec, ...]]]:
+    out: dict[str, tuple[int, tuple[Spec, ...], tuple[Spec, ...]]] = {}
+    entries = _mapping(value, where="plan.constraints",
+                       example="{'12/3': (0, ((('data',), ()),), ((('data',), ()),))}")
+
+    def order(key: object) -> tuple[int, ...]:
+        return tuple(int(p) if p.isdigit() else -1 for p in str(key).split("/"))
+
+    for key in sorted(entries, key=order):
+        entry = entries[key]
+        where = f"plan.constraints[{key!r}]"
+        if not isinstance(key, str) or not all(p.isdigit() for p in key.split("/")):
+            raise _config_error("An equation path is equation indices joined by '/'.",
+                                where="plan.constraints key", value=key, remedy="write e.g. '12/3'")
+        if isinstance(entry, str) or not isinstance(entry, Sequence) or len(entry) != 3:
+            raise _config_error("Expected (stage index, result specs, operand specs).",
+                                where=where, value=entry,
+                                remedy="write (0, ((('data',), ()),), ((('data',), ()),))")
+        stage = _check_int(entry[0], where=f"{where} stage")
+        if stage >= len(stages):
+            raise _mismatch(f"The constraint is on stage {stage}, but the plan has "
+                            f"{len(stages)} stage{'s' if len(stages) != 1 else ''}.",
+                            where=where, value=stage,
+                            remedy=f"use a stage index in 0 .. {len(stages) - 1}")
+        groups = []
+        for part, items in (("results", entry[1]), ("operands", entry[2])):
+            specs = tuple(as_spec(spec, where=f"{where} {part}[{i}]")
+                          for i, spec in enumerate(_sequence(items, where=f"{where} {part}")))
+            for i, spec in enumerate(specs):
+                _check_axes(spec, stages[stage], where=f"{where} {part}[{i}]")
+            groups.append(specs)
+        out[key] = (stage, groups[0], groups[1])
     return FrozenMap(out)
 
 

@@ -278,6 +278,13 @@ def _shardings(plan: Plan) -> list[str]:
     batch = _grouped(("", key, format_spec(spec)) for key, spec in plan.batch_specs.items())
     lines.append("Batch shardings: pattern [leaves] -> spec")
     lines += _spec_lines(batch, with_stage=False) or ["  (none)"]
+    if plan.constraints:
+        per_stage: dict[int, int] = {}
+        for stage, *_ in plan.constraints.values():
+            per_stage[stage] = per_stage.get(stage, 0) + 1
+        counts = ", ".join(f"stage {k}: {n}" for k, n in sorted(per_stage.items()))
+        lines += ["", f"Sharding constraints on intermediate values: {len(plan.constraints)} "
+                      f"({counts})"]
     return lines
 
 

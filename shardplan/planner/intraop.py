@@ -38,7 +38,8 @@ from shardplan.errors import ClusterError, format_error
 from shardplan.solver import Edge, Follower, Node, Problem, Solution
 from shardplan.trace.graph import OpGraph
 
-__all__ = ["IntraOpProblem", "build_intraop_problem", "decode_input_specs", "tie_layers"]
+__all__ = ["IntraOpProblem", "build_intraop_problem", "decode_constraints", "decode_input_specs",
+           "tie_layers"]
 
 INPUT_BYTE_TIEBREAK_S = 1e-15
 """Seconds charged per byte an input holds on one device. Far below any real cost, it breaks
@@ -57,6 +58,8 @@ class IntraOpProblem:
       input_nodes: ``{input tensor id: node index}``.
       op_nodes: ``{op id: node index}``.
       strategies: per node, its strategies.
+      free_tensors: values built from constants alone, which every consumer regenerates in
+        the sharding it reads (no node decides their sharding).
     """
 
     problem: Problem
@@ -64,6 +67,7 @@ class IntraOpProblem:
     input_nodes: Mapping[int, int]
     op_nodes: Mapping[int, int]
     strategies: tuple[tuple[OpStrategy, ...], ...]
+    free_tensors: frozenset[int] = frozenset()
 
 
 def _tensor_rule(shape: tuple[int, ...]) -> OpRule:
@@ -258,6 +262,7 @@ def build_intraop_problem(
         input_nodes=input_nodes,
         op_nodes=op_nodes,
         strategies=tuple(strategies),
+        free_tensors=free,
     )
 
 
@@ -492,6 +497,33 @@ def _optimizer_followers(
         a, b = input_nodes[p.tensor], input_nodes[leader.tensor]
         if len(strategies[a]) == len(strategies[b]):
             out.append(Follower(node=a, leader=b))
+    return out
+
+
+def decode_constraints(graph: OpGraph, ip: IntraOpProblem, solution: Solution
+                       ) -> dict[tuple[int, ...], tuple[int, tuple[Spec, ...], tuple[Spec, ...]]]:
+    """What to pin, by equation path: ``{path: (op id, result specs, operand specs)}``.
+
+    Every op (not a value regenerated from constants; not inside a loop body, which the runtime
+    cannot address) with a non-scalar result. Followers are pinned too: a value whose producer
+    is free while two consumers read it differently is where the partitioner makes its own
+    choice (measured: computing a replicated value sharded for one consumer and gathering it
+    for the other), so nothing is left to propagation. Its results are pinned as the chosen strategy leaves
+    them after reducing partial sums, which is how the solver priced its consumers; its
+    operands as the strategy reads them (operand specs follow ``op.inputs``, which omits
+    literals: the runtime matches them to the equation's non-literal operands).
+    """
+    if solution.assignment is None:
+        raise ValueError("the solution has no assignment")
+    out: dict[tuple[int, ...], tuple[int, tuple[Spec, ...], tuple[Spec, ...]]] = {}
+    for op in graph.ops:
+        n = ip.op_nodes.get(op.id)
+        if (n is None or op.path is None or op.structural
+                or op.attrs.get("folded") or any(t in ip.free_tensors for t in op.outputs)
+                or not any(graph.tensors[t].shape for t in op.outputs)):
+            continue
+        strategy = ip.strategies[n][solution.assignment[n]]
+        out[op.path] = (op.id, strategy.result_specs, strategy.operand_specs)
     return out
 
 

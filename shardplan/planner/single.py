@@ -18,7 +18,7 @@ from shardplan.cost.sharding import analyze_sharding, leaf_specs
 from shardplan.cost.step import step_cost
 from shardplan.errors import PipelineError, format_error
 from shardplan.plan import MeshSpec, Plan, Predicted, Stage
-from shardplan.planner.intraop import decode_input_specs, tie_layers
+from shardplan.planner.intraop import decode_constraints, decode_input_specs, tie_layers
 from shardplan.planner.mesh import MeshChoice, best_mesh
 from shardplan.trace import trace
 from shardplan.trace.graph import OpGraph
@@ -114,8 +114,20 @@ def _build_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, choice: Me
                 reduce_scatter: bool) -> Plan:
     mesh = choice.mesh
     specs = decode_input_specs(choice.problem, choice.solution)
+    constraints = decode_constraints(graph, choice.problem, choice.solution)
     ins, outs = leaf_specs(graph, mesh, lambda p: specs[p.tensor])
-    analysis = analyze_sharding(graph, mesh, ins, outs, reduce_scatter=reduce_scatter)
+    # The prediction places every op as the solver decided (the runtime pins the deciding ops;
+    # the others follow them); values built from constants are left to propagation.
+    pinned, factors = dict(ins), {}
+    ip, assignment = choice.problem, choice.solution.assignment or ()
+    for op in graph.ops:
+        if any(t in ip.free_tensors for t in op.outputs):
+            continue
+        strategy = ip.strategies[ip.op_nodes[op.id]][assignment[ip.op_nodes[op.id]]]
+        factors[op.id] = strategy.factors
+        pinned.update(zip(op.outputs, strategy.result_specs, strict=True))
+    analysis = analyze_sharding(graph, mesh, pinned, outs, reduce_scatter=reduce_scatter,
+                                op_factors=factors)
     cost = step_cost(graph, analysis, cluster)
     memory = estimate_memory(graph, lambda t: analysis.local_bytes(graph, t))
     sol = choice.solution
@@ -129,6 +141,8 @@ def _build_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, choice: Me
                       layers=tuple(layer.name for layer in graph.layers)),),
         param_specs={p.path: (0, specs[p.tensor]) for p in graph.parameters if p.arg_index == 0},
         batch_specs={p.path: specs[p.tensor] for p in graph.parameters if p.arg_index == 1},
+        constraints={"/".join(map(str, path)): (0, results, operands)
+                     for path, (_, results, operands) in constraints.items()},
         predicted=Predicted(step_time_s=cost.step_time_s, compute_s=cost.compute_s,
                             communication_s=cost.communication_s,
                             memory_bytes={d: memory.peak_bytes for d in mesh.device_ids},

@@ -222,7 +222,7 @@ def _build(flat: FlatGraph, phases: list[Phase], input_paths: dict[int, str],
            loop_trips=op.loop_trips, phase=phases[i],
            scope=_scope(op.name_stack, op.inputs, param_paths, layers, op_layers[i]),
            source=op.source, layers=op_layers[i], loop=op.loop, structural=op.structural,
-           attrs=op.attrs)
+           attrs=op.attrs, path=op.path)
         for i, op in enumerate(flat.ops))
     parameters = tuple(
         Parameter(path=_strip_arg(input_paths[t]), arg_index=_arg_index(input_paths[t]),

@@ -29,7 +29,7 @@ from shardplan.trace.flops import (
     is_known_primitive,
 )
 
-__all__ = ["FlatGraph", "RawOp", "flatten_jaxpr"]
+__all__ = ["FlatGraph", "RawOp", "call_like_jaxpr", "flatten_jaxpr"]
 
 _CALL_LIKE_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
 _WRAPPER_NAMES = frozenset({"jvp", "transpose", "vmap", "remat", "checkpoint", "pjit", "jit",
@@ -55,6 +55,7 @@ class RawOp:
     loop: tuple[tuple[int, int], ...]
     structural: bool
     attrs: dict[str, Any]
+    path: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass
@@ -171,7 +172,8 @@ class _Builder:
     def add_op(self, primitive: str, in_ids: Sequence[int | None], in_avals: Sequence[Any],
                out_avals: Sequence[Any], params: dict, *, count: int, trips: int, stack: str,
                source: str, loop: tuple[tuple[int, int], ...], structural: bool = False,
-               attrs: dict[str, Any] | None = None, folded: bool = False) -> list[int]:
+               attrs: dict[str, Any] | None = None, folded: bool = False,
+               path: tuple[int, ...] | None = None) -> list[int]:
         op_id = len(self.ops)
         if structural or folded:
             flops = trans = 0.0
@@ -189,13 +191,17 @@ class _Builder:
             primitive=primitive, inputs=[t for t in in_ids if t is not None], outputs=outs,
             flops=flops, transcendentals=trans, bytes_read=bytes_read,
             bytes_written=bytes_written, count=count, loop_trips=trips, name_stack=stack,
-            source=source, loop=loop, structural=structural, attrs=attrs or {}))
+            source=source, loop=loop, structural=structural, attrs=attrs or {},
+            path=None if structural else path))
         return outs
 
     # -- walking ---------------------------------------------------------------------------
     def walk(self, jaxpr: Any, in_ids: Sequence[int | None], consts: Sequence[Any], *,
-             count: int, trips: int, stack: str, loop: tuple[tuple[int, int], ...]
-             ) -> list[int | None]:
+             count: int, trips: int, stack: str, loop: tuple[tuple[int, int], ...],
+             path: tuple[int, ...] | None = None) -> list[int | None]:
+        """Adds the ops of ``jaxpr``. ``path`` is the position of this jaxpr's equations in the
+        traced program (indices through inlined calls) or None inside loop and branch bodies,
+        whose equations the runtime cannot address one by one."""
         env: dict[Any, int | None] = {}
         for v, c in zip(jaxpr.constvars, consts, strict=False):
             env[v] = self.new_tensor(getattr(c, "aval", c), None)
@@ -207,17 +213,18 @@ class _Builder:
                 return None
             return env.get(v)
 
-        for eqn in jaxpr.eqns:
+        for i, eqn in enumerate(jaxpr.eqns):
             in_ids_e = [read(v) for v in eqn.invars]
             eqn_stack = _join_stack(stack, str(eqn.source_info.name_stack))
             outs = self._eqn(eqn, in_ids_e, count=count, trips=trips, stack=eqn_stack,
-                             loop=loop)
+                             loop=loop, path=None if path is None else (*path, i))
             for v, t in zip(eqn.outvars, outs, strict=True):
                 env[v] = t
         return [read(v) for v in jaxpr.outvars]
 
     def _eqn(self, eqn: Any, in_ids: list[int | None], *, count: int, trips: int, stack: str,
-             loop: tuple[tuple[int, int], ...]) -> list[int | None]:
+             loop: tuple[tuple[int, int], ...], path: tuple[int, ...] | None
+             ) -> list[int | None]:
         name = eqn.primitive.name
         params = eqn.params
         kw: dict[str, Any] = dict(count=count, trips=trips, stack=stack, loop=loop)
@@ -229,10 +236,10 @@ class _Builder:
             return self._cond(eqn, in_ids, **kw)
         if name == "shard_map":
             return self._shard_map(eqn, in_ids, **kw)
-        inner = _call_like_jaxpr(eqn)
+        inner = call_like_jaxpr(eqn)
         if inner is not None:
             jaxpr, consts = inner
-            return self.walk(jaxpr, in_ids, consts, **kw)
+            return self.walk(jaxpr, in_ids, consts, **kw, path=path)
         if list(jcore.jaxprs_in_params(params)) and not is_known_primitive(name):
             # A higher-order primitive we cannot look inside (e.g. a Pallas kernel): keep it as
             # one opaque op so its operands and results stay in the graph.
@@ -245,7 +252,7 @@ class _Builder:
         simplified, out_val = _simplify(name, in_vals, params)
         outs = self.add_op(name, in_ids, in_avals, out_avals, dict(params), count=count,
                            trips=trips, stack=stack, source=self.source(eqn), loop=loop,
-                           attrs=_plain_attrs(name, params), folded=simplified)
+                           attrs=_plain_attrs(name, params), folded=simplified, path=path)
         if out_val is not _NOT_CONST and len(outs) == 1:
             self.consts[outs[0]] = out_val
         return list(outs)
@@ -396,7 +403,7 @@ def _simplify(primitive: str, in_vals: list[Any], params: Any) -> tuple[bool, An
     return False, _NOT_CONST
 
 
-def _call_like_jaxpr(eqn: Any) -> tuple[Any, Sequence[Any]] | None:
+def call_like_jaxpr(eqn: Any) -> tuple[Any, Sequence[Any]] | None:
     """The inner jaxpr of a call-like equation whose operands map 1:1 onto its inputs."""
     for key in _CALL_LIKE_PARAMS:
         j = eqn.params.get(key)
@@ -517,7 +524,8 @@ def flatten_jaxpr(closed_jaxpr: Any) -> FlatGraph:
     b = _Builder()
     jaxpr = closed_jaxpr.jaxpr
     in_ids: list[int | None] = [b.new_tensor(v.aval, None) for v in jaxpr.invars]
-    outs = b.walk(jaxpr, in_ids, closed_jaxpr.consts, count=1, trips=1, stack="", loop=())
+    outs = b.walk(jaxpr, in_ids, closed_jaxpr.consts, count=1, trips=1, stack="", loop=(),
+                  path=())
     return FlatGraph(
         ops=b.ops, tensor_shapes=b.shapes, tensor_dtypes=b.dtypes, tensor_producers=b.producers,
         inputs=[t for t in in_ids if t is not None], outputs=outs, loop_xs=b.loop_xs,

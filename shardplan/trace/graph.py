@@ -71,6 +71,10 @@ class Op:
       structural: True for the zero-cost markers of loop boundaries (slicing a scanned input,
         stacking a scanned output) that keep the graph's data flow explicit.
       attrs: primitive parameters the later stages need (dimension numbers, axes), as plain data.
+      path: where its equation sits in the traced program: its index among the top-level
+        equations, then among those of each inlined call (``jit``, custom derivatives) it is
+        inside; None inside loop and branch bodies and for structural markers. The runtime
+        finds the equation again by it to constrain its result's sharding.
     """
 
     id: int
@@ -90,6 +94,7 @@ class Op:
     loop: tuple[tuple[int, int], ...]
     structural: bool
     attrs: Mapping[str, Any]
+    path: tuple[int, ...] | None = None
 
     @property
     def total_flops(self) -> float:

@@ -1,0 +1,130 @@
+"""Pinning a plan's shardings on intermediate values of an unmodified train step.
+
+The planner decides the sharding of every op, but a jitted step only takes shardings for its
+arguments and results; the partitioner propagates the rest and may choose differently where
+the choice is open (which operand of a matmul to gather, where to reduce). :func:`constrained`
+re-evaluates the traced step's jaxpr equation by equation (``jax.jit(step).trace(...)``, the
+same program the planner traced) and applies ``jax.lax.with_sharding_constraint`` to the
+results of the equations the plan lists, so the compiled program does what the plan predicts.
+
+Equations are addressed by their path (:attr:`shardplan.trace.Op.path`): the index among the
+top-level equations, then among the equations of each call (``jit``, custom derivative rule)
+they sit in. A call that holds a constrained equation is evaluated inline (a nested ``jit`` is
+inlined by XLA anyway; a custom derivative rule's primal computation is what it computes, and
+the step is already differentiated); every other equation is bound as it is, loop bodies
+included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+from jax.extend import core as jex_core
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardplan.trace.flatten import call_like_jaxpr
+
+__all__ = ["constrained", "parse_path", "partition_spec"]
+
+Spec = tuple[tuple[str, ...], ...]
+
+
+def partition_spec(spec: Spec) -> P:
+    """A plan spec (per dimension, a tuple of mesh axes) as a ``PartitionSpec``."""
+    return P(*[None if not axes else axes[0] if len(axes) == 1 else axes for axes in spec])
+
+
+def parse_path(key: str) -> tuple[int, ...]:
+    """``"12/3"`` -> ``(12, 3)``."""
+    return tuple(int(p) for p in key.split("/"))
+
+
+def constrained(fn: Callable[..., Any], args: Sequence[Any],
+                constraints: Mapping[tuple[int, ...], tuple[tuple[Spec, ...], tuple[Spec, ...]]],
+                mesh: Mesh) -> Callable[..., Any]:
+    """``fn`` with the given equation results pinned to the given shardings.
+
+    Args:
+      fn: the step; traced once here on the shapes and dtypes of ``args``.
+      args: example positional arguments (only their structure, shapes and dtypes matter).
+      constraints: ``{equation path: (spec of each result, spec of each non-literal
+        operand)}``.
+      mesh: the mesh the specs name axes of.
+
+    Returns:
+      A function of the same arguments and results, meant to be jitted.
+    """
+    # Shapes and dtypes only: tracing committed, sharded arrays adds ``reshard`` equations the
+    # planner's trace (of abstract arguments) does not have, which would shift the paths.
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(x, "weak_type", False)),
+        args)
+    traced = jax.jit(fn).trace(*abstract)
+    closed = traced.jaxpr
+    out_tree = jax.tree.structure(traced.out_info)
+    inlined = {path[:k] for path in constraints for k in range(1, len(path))}
+    def named(specs: tuple[Spec, ...]) -> tuple[NamedSharding, ...]:
+        return tuple(NamedSharding(mesh, partition_spec(s)) for s in specs)
+
+    shardings = {path: (named(results), named(operands))
+                 for path, (results, operands) in constraints.items()}
+
+    def run(*call_args: Any) -> Any:
+        flat = jax.tree.leaves(call_args)
+        outs = _evaluate(closed.jaxpr, closed.consts, flat, (), shardings, inlined)
+        return jax.tree.unflatten(out_tree, outs)
+
+    return run
+
+
+def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], prefix: tuple[int, ...],
+              shardings: Mapping[tuple[int, ...],
+                                 tuple[tuple[NamedSharding, ...], tuple[NamedSharding, ...]]],
+              inlined: set[tuple[int, ...]], literal_args: frozenset[int] = frozenset(),
+              ) -> list[Any]:
+    """Evaluates ``jaxpr``. ``literal_args``: positions of arguments that were literals where
+    the call was made; the tracer left them out of its ops' operands, and so do the plan's
+    operand specs, which are matched to the other operands in order."""
+    env: dict[Any, Any] = {}
+    literal_vars: set[Any] = set()
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, jex_core.Literal) else env[v]
+
+    def is_literal(v: Any) -> bool:
+        return isinstance(v, jex_core.Literal) or v in literal_vars
+
+    for v, c in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = c
+    for k, (v, a) in enumerate(zip(jaxpr.invars, args, strict=True)):
+        env[v] = a
+        if k in literal_args:
+            literal_vars.add(v)
+    for i, eqn in enumerate(jaxpr.eqns):
+        path = (*prefix, i)
+        values = [read(v) for v in eqn.invars]
+        pinned = shardings.get(path)
+        if pinned is not None:
+            operands = iter(pinned[1])
+            values = [v if is_literal(var) else jax.lax.with_sharding_constraint(v, next(operands))
+                      for var, v in zip(eqn.invars, values, strict=True)]
+        inner = call_like_jaxpr(eqn) if path in inlined else None
+        if inner is not None:
+            literal_positions = frozenset(k for k, v in enumerate(eqn.invars) if is_literal(v))
+            outs = _evaluate(inner[0], inner[1], values, path, shardings, inlined,
+                             literal_positions)
+        else:
+            params = eqn.primitive.get_bind_params(eqn.params)
+            with eqn.ctx.manager:
+                result = eqn.primitive.bind(*values, **params)
+            outs = list(result) if eqn.primitive.multiple_results else [result]
+        if pinned is not None:
+            outs = [jax.lax.with_sharding_constraint(o, s) for o, s in zip(outs, pinned[0],
+                                                                          strict=True)]
+        for v, o in zip(eqn.outvars, outs, strict=True):
+            if not isinstance(v, jex_core.DropVar):
+                env[v] = o
+    return [read(v) for v in jaxpr.outvars]
