@@ -24,6 +24,7 @@ from shardplan.plan import Plan as Plan
 from shardplan.plan import load_plan as load_plan
 from shardplan.planner.single import PlanConfig as PlanConfig
 from shardplan.planner.single import make_plan as make_plan
+from shardplan.runtime.auto import auto as auto
 from shardplan.runtime.spmd import apply_plan as apply_plan
 from shardplan.trace import OpGraph as OpGraph
 from shardplan.trace import trace as trace
@@ -52,6 +53,7 @@ __all__ = [
     "TraceError",
     "__version__",
     "apply_plan",
+    "auto",
     "load_plan",
     "make_plan",
     "trace",
