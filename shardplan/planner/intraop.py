@@ -166,6 +166,7 @@ def build_intraop_problem(
     buffers = buffer_tensors(graph)
     comm_times = _CommTimes(mesh, cluster)
     free = _regenerable(graph, {p.tensor for p in graph.parameters})
+    follow_cache: dict = {}
     params = parameter_tensors(graph)
     canon_op, canon_in = tie_layers(graph, tie_period) if tie_period else ({}, {})
     compute: list[list[float]] = []
@@ -204,7 +205,8 @@ def build_intraop_problem(
         lead = _follow_target(graph, op, input_nodes, op_nodes, free) if follow else None
         if lead is not None and op.id not in canon_op:
             leader, j, position = lead
-            derived = _follow_strategies(graph, op, mesh, strategies[leader], j, position)
+            derived = _follow_strategies(graph, op, mesh, strategies[leader], j, position,
+                                         follow_cache)
         else:
             derived = None
         n = node_for(op.id, op_nodes, canon_op, f"op:{op.id}:{op.primitive}",
@@ -329,13 +331,24 @@ def _follow_target(graph: OpGraph, op, input_nodes: Mapping[int, int],
 
 
 def _follow_strategies(graph: OpGraph, op, mesh: LogicalMesh,
-                       leader: tuple[OpStrategy, ...], j: int, position: int
-                       ) -> tuple[OpStrategy, ...] | None:
+                       leader: tuple[OpStrategy, ...], j: int, position: int,
+                       cache: dict | None = None) -> tuple[OpStrategy, ...] | None:
     """One strategy per leader strategy: the op's operand ``position`` sharded as the leader's
     result ``j``. ``None`` when some leader sharding does not carry over (a sharded dimension
     that maps onto no factor, onto a factor that must stay replicated, or onto a factor whose
-    size the axes do not divide)."""
+    size the axes do not divide). ``cache`` memoises by (rule, position, leader shardings):
+    the ops of repeated blocks ask the same question."""
     rule = op_rule(graph, op)
+    if cache is None:
+        return _derive(rule, mesh, leader, j, position)
+    key = (rule, position, tuple(s.result_specs[j] for s in leader))
+    if key not in cache:
+        cache[key] = _derive(rule, mesh, leader, j, position)
+    return cache[key]
+
+
+def _derive(rule: OpRule, mesh: LogicalMesh, leader: tuple[OpStrategy, ...], j: int,
+            position: int) -> tuple[OpStrategy, ...] | None:
     dims = rule.operands[position]
     out: list[OpStrategy] = []
     for s in leader:

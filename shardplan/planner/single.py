@@ -13,10 +13,10 @@ from collections.abc import Callable
 from typing import Any
 
 from shardplan.cluster import Cluster
-from shardplan.cost.memory import estimate_memory
+from shardplan.cost.memory import MemoryEstimate, estimate_memory
 from shardplan.cost.sharding import analyze_sharding, leaf_specs
 from shardplan.cost.step import step_cost
-from shardplan.errors import PipelineError, format_error
+from shardplan.errors import InfeasibleError, PipelineError, format_error
 from shardplan.plan import MeshSpec, Plan, Predicted, Stage
 from shardplan.planner.intraop import decode_constraints, decode_input_specs, tie_layers
 from shardplan.planner.mesh import MeshChoice, best_mesh
@@ -91,6 +91,37 @@ def make_plan(train_step: Callable[..., Any], state: Any, batch: Any, /, *, clus
     group = cluster.groups[0]
     budget = config.memory_budget_bytes or float(group.device.memory_bytes)
     reduce_scatter = group.device.name != "cpu"  # XLA:CPU keeps all-reduce + slice
+    # The ILP bounds what the arguments hold; the predicted peak adds the step's temporaries.
+    # Where the peak exceeds the budget, the arguments' bound is cut by the excess and the
+    # problem solved again (the temporaries barely move when arguments are sharded further).
+    argument_budget = budget
+    peaks: list[float] = []
+    for _ in range(MEMORY_ROUNDS):
+        choice = _search(graph, cluster, config, argument_budget)
+        plan, memory = _build_plan(graph, cluster, config, choice, reduce_scatter=reduce_scatter)
+        peak = memory.peak_bytes
+        if peak <= budget:
+            return plan
+        peaks.append(peak)
+        argument_budget = min(argument_budget, memory.argument_bytes - (peak - budget))
+        if argument_budget <= 0:
+            break
+    raise InfeasibleError(format_error(
+        "No sharding keeps the predicted peak memory within the budget.",
+        where=f"cluster {cluster.name!r}, {len(group.device_ids)} x {group.device.name}",
+        value={"budget_bytes": budget, "predicted_peak_bytes": peaks},
+        remedy="use more devices, a smaller batch, or raise PlanConfig.memory_budget_bytes "
+               "(rematerialisation and microbatching come with the stage planner)"))
+
+
+MEMORY_ROUNDS = 6
+"""Solves with a tightened argument budget before giving up on a memory budget."""
+
+
+def _search(graph: OpGraph, cluster: Cluster, config: PlanConfig,
+            argument_budget: float) -> MeshChoice:
+    """The best mesh and sharding over the tying periods, arguments within the budget."""
+    group = cluster.groups[0]
     choice: MeshChoice | None = None
     seen: list[object] = []
     for period in config.tie_periods:
@@ -101,17 +132,19 @@ def make_plan(train_step: Callable[..., Any], state: Any, batch: Any, /, *, clus
         candidate = best_mesh(graph, group.device_ids, cluster, max_axes=config.max_mesh_axes,
                               tie_period=period,
                               time_limit_s=config.time_limit_s,
-                              relative_gap=config.relative_gap, memory_budget_bytes=budget)
+                              relative_gap=config.relative_gap,
+                              memory_budget_bytes=argument_budget)
         objective = candidate.solution.objective
         assert objective is not None
         if choice is None or objective < (choice.solution.objective or float("inf")):
             choice = candidate
     assert choice is not None
-    return _build_plan(graph, cluster, config, choice, reduce_scatter=reduce_scatter)
+    return choice
 
 
 def _build_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, choice: MeshChoice, *,
-                reduce_scatter: bool) -> Plan:
+                reduce_scatter: bool) -> tuple[Plan, MemoryEstimate]:
+    """The plan of a solved choice, and its per-device memory estimate."""
     mesh = choice.mesh
     specs = decode_input_specs(choice.problem, choice.solution)
     constraints = decode_constraints(graph, choice.problem, choice.solution)
@@ -129,9 +162,10 @@ def _build_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, choice: Me
     analysis = analyze_sharding(graph, mesh, pinned, outs, reduce_scatter=reduce_scatter,
                                 op_factors=factors)
     cost = step_cost(graph, analysis, cluster)
-    memory = estimate_memory(graph, lambda t: analysis.local_bytes(graph, t))
+    # apply_plan donates the state: new state leaves reuse the old ones' buffers.
+    memory = estimate_memory(graph, lambda t: analysis.local_bytes(graph, t), donated=True)
     sol = choice.solution
-    return Plan(
+    plan = Plan(
         shardplan_version=_version(),
         graph_fingerprint=graph_fingerprint(graph),
         cluster_hash=cluster.content_hash(),
@@ -151,6 +185,7 @@ def _build_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, choice: Me
                 "variables": sol.stats.get("variables"),
                 "mesh_candidates": [[list(shape), obj] for shape, obj in choice.candidates]},
     )
+    return plan, memory
 
 
 def _version() -> str:

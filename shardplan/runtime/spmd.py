@@ -93,8 +93,10 @@ class PlannedStep:
                 table = {parse_path(k): (results, operands)
                          for k, (_, results, operands) in self.plan.constraints.items()}
                 step = constrained(self._step, (state, batch), table, self.mesh)
+            # The state is donated: the new state reuses its buffers (the planner's memory
+            # prediction counts it so), as a training loop replaces its state every step.
             self._jitted = jax.jit(step, in_shardings=(state_sh, batch_sh),
-                                   out_shardings=out_sh)
+                                   out_shardings=out_sh, donate_argnums=(0,))
 
     def __call__(self, state: Any, batch: Any) -> Any:
         self._ensure(state, batch)
@@ -110,5 +112,10 @@ class PlannedStep:
 
 
 def apply_plan(train_step: Callable[..., Any], plan: Plan, /) -> PlannedStep:
-    """Binds ``train_step`` to ``plan``; the result has ``train_step``'s signature."""
+    """Binds ``train_step`` to ``plan``; the result has ``train_step``'s signature.
+
+    The state argument is donated, as in any training loop (``state = step(state, batch)``):
+    the new state reuses its buffers, so a state already placed as the plan says cannot be
+    read after the call (one that is placed by the call, e.g. a fresh one, is copied first).
+    """
     return PlannedStep(train_step, plan)

@@ -299,6 +299,7 @@ def _make_layers(flat: FlatGraph, phases: list[Phase], a: LayerAssignment,
         specs.append((SHARED, "shared", "shared", None, 1.0, []))
     unit_layers: dict[int, list[int]] = {}
     layers: list[Layer] = []
+    op_items: dict[tuple[int, float], list[object]] = {}
     for idx, (u, lname, kind, stack, share, pids) in enumerate(specs):
         unit_layers.setdefault(u, []).append(idx)
         ops = ops_of.get(u, [])
@@ -307,12 +308,14 @@ def _make_layers(flat: FlatGraph, phases: list[Phase], a: LayerAssignment,
             op = flat.ops[o]
             flops[phases[o]] = flops.get(phases[o], 0.0) + op.flops * op.count * share
         rel = _relative_paths(a, u, pids, param_paths)
-        items: list[object] = [
-            (phases[o], flat.ops[o].primitive,
-             tuple((tensors[t].shape, tensors[t].dtype) for t in flat.ops[o].inputs),
-             tuple((tensors[t].shape, tensors[t].dtype) for t in flat.ops[o].outputs),
-             tuple(sorted(flat.ops[o].attrs.items())), flat.ops[o].count * share)
-            for o in ops if _fingerprinted(flat, o)]
+        if (u, share) not in op_items:  # the layers of a scanned stack share their ops
+            op_items[(u, share)] = [
+                (phases[o], flat.ops[o].primitive,
+                 tuple((tensors[t].shape, tensors[t].dtype) for t in flat.ops[o].inputs),
+                 tuple((tensors[t].shape, tensors[t].dtype) for t in flat.ops[o].outputs),
+                 tuple(sorted(flat.ops[o].attrs.items())), flat.ops[o].count * share)
+                for o in ops if _fingerprinted(flat, o)]
+        items: list[object] = list(op_items[(u, share)])
         items += [("param", rel[t], tensors[t].shape, tensors[t].dtype) for t in pids]
         pbytes = sum(tensors[t].nbytes for t in pids) * share
         layers.append(Layer(index=idx, name=lname, kind=kind, stack=stack,  # type: ignore[arg-type]
