@@ -477,6 +477,12 @@ def test_replica_group_expansion() -> None:
     assert parse_replica_groups("mesh['a'=4,'b'=2] {'a':(2)2}") == ((0, 2), (1, 3), (4, 6), (5, 7))
     # A non-iota mesh device order.
     assert parse_replica_groups("mesh['a'=2,'b'=2], device_ids=(0,2,1,3) {'b'}") == ((0, 2), (1, 3))
+    # The same order in XLA's iota form: arange(4).reshape(2, 2).T flattened is 0, 2, 1, 3.
+    assert parse_replica_groups("mesh['a'=2,'b'=2], device_ids=([2,2]T(1,0)) {'b'}") == (
+        (0, 2), (1, 3))
+    assert parse_replica_groups(
+        "mesh['axis_0'=1,'axis_1'=2,'axis_2'=2], device_ids=([2,2]T(1,0)) {'axis_1'}") == (
+        (0, 1), (2, 3))
     assert parse_replica_groups("[3,3]<=[8]") == ()  # inconsistent: left unparsed
     assert parse_replica_groups(None) == ()
 

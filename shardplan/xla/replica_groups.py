@@ -33,7 +33,8 @@ _MAX_DEVICES = 1 << 20
 """Largest device count a replica-group list may expand to; larger ones are left unparsed
 (a guard against materialising absurd ``iota`` lists from damaged text)."""
 _IOTA_RE = re.compile(r"^\[([\d,\s]+)\]<=\[([\d,\s]+)\](?:T\(([\d,\s]+)\))?$")
-_MESH_RE = re.compile(r"^mesh\[(.*?)\](?:\s*,\s*device_ids=\((.*?)\))?\s*\{(.*)\}$")
+_MESH_RE = re.compile(r"^mesh\[(.*?)\](?:\s*,\s*device_ids=\((.*)\))?\s*\{(.*)\}$")
+_DEVICE_IOTA_RE = re.compile(r"^\[([\d,\s]+)\](?:T\(([\d,\s]+)\))?$")
 _MESH_AXIS_RE = re.compile(r"^'?([^'=]+?)'?\s*=\s*(\d+)$")
 _AXIS_REF_RE = re.compile(r"^'?([^':]+?)'?(?::\((\d+)\)(\d+))?$")
 
@@ -111,8 +112,7 @@ def _mesh_groups(text: str) -> ReplicaGroups:
     total = math.prod(sizes)
     if total > _MAX_DEVICES:
         raise ValueError(text)
-    device_ids = parse_int_list(match.group(2))
-    devices = np.array(device_ids) if len(device_ids) == total else np.arange(total)
+    devices = _mesh_devices(match.group(2), total)
     refs = [_AXIS_REF_RE.match(r.strip()) for r in match.group(3).split(",") if r.strip()]
     axes = [(names.index(r.group(1)), r.group(2), r.group(3)) for r in refs if r]
     dims, grouped = _mesh_reindex(
@@ -122,6 +122,24 @@ def _mesh_groups(text: str) -> ReplicaGroups:
     group_size = math.prod(dims[d] for d in grouped)
     arranged = devices.reshape(dims).transpose(others + grouped)
     return _as_groups(arranged.reshape(-1, group_size))
+
+
+def _mesh_devices(text: str | None, total: int) -> np.ndarray:
+    """The mesh's device ids in row-major order: listed (``0,2,1,3``), in XLA's iota form
+    (``[2,2]T(1,0)``: ``arange`` reshaped and transposed), or ``arange(total)`` if absent."""
+    if not text:
+        return np.arange(total)
+    iota = _DEVICE_IOTA_RE.match(text.replace(" ", ""))
+    if iota is not None:
+        dims = parse_int_list(iota.group(1))
+        perm = parse_int_list(iota.group(2)) if iota.group(2) else tuple(range(len(dims)))
+        if math.prod(dims) != total:
+            raise ValueError(text)
+        return np.arange(total).reshape(dims).transpose(perm).reshape(-1)
+    ids = parse_int_list(text)
+    if len(ids) != total:
+        raise ValueError(text)
+    return np.array(ids)
 
 
 def _mesh_reindex(
