@@ -55,7 +55,8 @@ def run_case(name: str) -> dict:
     mesh = LogicalMesh.create(shape, axes)
     in_specs, out_specs = leaf_specs(graph, mesh, rule)
     analysis = analyze_sharding(graph, mesh, in_specs, out_specs, reduce_scatter=False)
-    memory = estimate_memory(graph, lambda t: analysis.local_bytes(graph, t))
+    memory = estimate_memory(graph, lambda t: analysis.local_bytes(graph, t),
+                             collectives=analysis.collectives)
     jmesh = jax.make_mesh(shape, axes, axis_types=(AxisType.Auto,) * len(shape))
 
     def named(spec):

@@ -3,7 +3,7 @@
 Each case compiles a tiny model's train step on 8 CPU devices under hand-written shardings and
 compares shardplan's prediction (propagated from the same input shardings) with what XLA
 compiled: collective bytes per kind from the optimized HLO, per-device FLOPs from
-``cost_analysis`` and argument / output bytes from ``memory_analysis``.
+``cost_analysis`` and argument, output, temp and peak bytes from ``memory_analysis``.
 """
 
 from __future__ import annotations
@@ -86,6 +86,18 @@ def test_argument_and_output_bytes_match_memory_analysis(case) -> None:
     estimate = estimate_memory(graph, lambda t: analysis.local_bytes(graph, t))
     assert estimate.argument_bytes == report.memory.argument_bytes, name
     assert estimate.output_bytes == pytest.approx(report.memory.output_bytes, rel=0.01), name
+
+
+def test_peak_memory_matches_memory_analysis(case) -> None:
+    name, graph, analysis, report = case
+    estimate = estimate_memory(graph, lambda t: analysis.local_bytes(graph, t),
+                               collectives=analysis.collectives)
+    m = report.memory
+    # memory_analysis()'s peak_memory_in_bytes is 0 on CPU; the allocation is the sum.
+    compiled = m.argument_bytes + m.output_bytes + m.temp_bytes - m.alias_bytes
+    assert estimate.peak_bytes == pytest.approx(compiled, rel=0.10), name
+    # The intermediates alone, which the arguments and results (exact) would otherwise hide.
+    assert estimate.temp_bytes == pytest.approx(m.temp_bytes, rel=0.10), name
 
 
 def test_data_parallel_gradients_are_one_reduction_per_parameter() -> None:

@@ -74,7 +74,8 @@ def step_cost(graph: OpGraph, analysis: ShardingAnalysis, cluster: Cluster, *,
         materialized=lambda t: buffers[t])
     comm = sum(mesh_collective_time_s(c.kind, c.result_bytes, mesh, c.axes, cluster) * c.count
                for c in analysis.collectives)
-    memory = estimate_memory(graph, lambda t: analysis.local_bytes(graph, t), donated=donated)
+    memory = estimate_memory(graph, lambda t: analysis.local_bytes(graph, t), donated=donated,
+                             collectives=analysis.collectives)
     return StepCost(device=device.name, compute_s=compute, communication_s=comm,
                     per_device_flops=analysis.per_device_flops(graph),
                     collectives=analysis.collective_summary(), memory=memory)
