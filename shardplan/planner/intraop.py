@@ -464,34 +464,37 @@ def _edges(
     strategy reads), and one from each new state leaf back to its input (resharded into the
     input's sharding for the next step). An edge inside a follower group (both ends take the
     same strategy index) is returned as a per-strategy cost of its consumer instead."""
-    uses: list[tuple[int, int, list[Spec], int]] = []  # (tensor, dst node, wanted specs, count)
+    # A use is (tensor, dst node, operand position or -1 for a state edge, count). Tied layers
+    # repeat the same use between the same two nodes: such uses are priced once, multiplied.
+    uses: dict[tuple[int, int, int, int, int, int], int] = {}
     for op in graph.ops:
         dst = op_nodes[op.id]
         for i, t in enumerate(op.inputs):
-            uses.append((t, dst, [s.operand_specs[i] for s in strategies[dst]], op.count))
+            src = _producer(graph, t, input_nodes, op_nodes)
+            if src is None or t in free:
+                continue
+            key = (src[0], src[1], dst, i, graph.tensors[t].nbytes, op.count)
+            uses[key] = uses.get(key, 0) + 1
     by_path = {(f"{p.arg_index}/{p.path}", p.shape): p.tensor for p in graph.parameters}
     for out, path in zip(graph.outputs, graph.output_paths, strict=True):
         if out is None or out in input_nodes:
             continue
         target = by_path.get((path, graph.tensors[out].shape))
-        if target is not None:
-            state = input_nodes[target]
-            uses.append((out, state, [s.result_specs[0] for s in strategies[state]], 1))
+        src = _producer(graph, out, input_nodes, op_nodes)
+        if target is not None and src is not None:
+            key = (src[0], src[1], input_nodes[target], -1, graph.tensors[out].nbytes, 1)
+            uses[key] = uses.get(key, 0) + 1
     edges: list[Edge] = []
     node_costs: list[tuple[int, list[float]]] = []
-    for t, dst, want, count in uses:
-        src = _producer(graph, t, input_nodes, op_nodes)
-        if src is None or t in free:
-            continue
-        node, j = src
-        nbytes = graph.tensors[t].nbytes
+    for (node, j, dst, i, nbytes, count), times in uses.items():
+        want = [s.result_specs[0] if i < 0 else s.operand_specs[i] for s in strategies[dst]]
         if group_of(node) == group_of(dst) and node != dst:
             # Same follower group: both take the same strategy index, only the diagonal occurs.
-            diagonal = [comm.reshard(strategies[node][i].result_specs[j], w, nbytes) * count
-                        for i, w in enumerate(want)]
+            diagonal = [comm.reshard(strategies[node][k].result_specs[j], w, nbytes)
+                        * count * times for k, w in enumerate(want)]
             node_costs.append((dst, diagonal))
             continue
-        cost = _edge_matrix(strategies[node], j, want, nbytes, count, comm)
+        cost = _edge_matrix(strategies[node], j, want, nbytes, count * times, comm)
         edges.append(Edge(src=node, dst=dst, cost=cost))
     return edges, node_costs
 

@@ -163,7 +163,8 @@ def _build_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, choice: Me
                                 op_factors=factors)
     cost = step_cost(graph, analysis, cluster)
     # apply_plan donates the state: new state leaves reuse the old ones' buffers.
-    memory = estimate_memory(graph, lambda t: analysis.local_bytes(graph, t), donated=True)
+    memory = estimate_memory(graph, lambda t: analysis.local_bytes(graph, t), donated=True,
+                             collectives=analysis.collectives)
     sol = choice.solution
     plan = Plan(
         shardplan_version=_version(),
