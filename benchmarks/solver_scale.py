@@ -10,15 +10,16 @@ Two measurements, each in its own process (so one run's caches do not help anoth
    model (the fully sharded AdamW state alone is 175e9 x 16 bytes / 64 = 44 GB per GPU, and one
    2048-token sequence's activations at 8-way tensor parallelism ~55 GB by Korthikanti et al.'s
    formula), so this measures planning time, not a runnable plan.
-2. **Scaling**: the same model as a Python loop over 12, 24, 48 and 96 blocks (so that tying is
-   a choice), on 8, 64, 512 and 1024 GPUs (1 to 128 DGX A100 nodes): the intra-op problem of
-   the best mesh candidate built and solved with every block tied to the first (period 1) and,
-   for up to ``--untied-max-layers`` blocks, untied; problem size (nodes, edges, strategy
-   pairs, solver variables), build and solve seconds, status.
+2. **Scaling**: the same model with 12, 24, 48 and 96 blocks as an ``nnx.scan`` (one body, so
+   the problem does not grow with depth) on 8, 64, 512 and 1024 GPUs (1 to 128 DGX A100 nodes):
+   the intra-op problem of each mesh candidate built and solved; problem size (nodes, edges,
+   strategy pairs, solver variables), build and solve seconds, status.
+3. **Tying**: the model as a Python loop of ``--loop-layers`` blocks on 8 GPUs, with every block
+   tied to the first (period 1) and untied, solver limit ``--time-limit-s``.
 
 Prints tables and writes ``benchmarks/results/solver_scale.json``.
 
-Usage: ``python benchmarks/solver_scale.py [--repeats 3] [--untied-max-layers 24]``
+Usage: ``python benchmarks/solver_scale.py [--repeats 3] [--loop-layers 4] [--time-limit-s 60]``
 """
 
 from __future__ import annotations
@@ -78,33 +79,33 @@ def _end_to_end() -> dict:
             "predicted_step_time_s": plan.predicted.step_time_s}
 
 
-def _scaling(layers: int, untied_max_layers: int) -> list[dict]:
+def _scaling(layers: int, scan: bool, devices_list: tuple[int, ...], periods: tuple[int, ...],
+             time_limit_s: float) -> list[dict]:
     import shardplan as sp
     from shardplan.planner.intraop import build_intraop_problem
     from shardplan.planner.mesh import candidate_meshes
     from shardplan.solver import solve
 
-    step, state, batch = _step(layers, scan=False)
+    step, state, batch = _step(layers, scan=scan)
     t0 = time.perf_counter()
     graph = sp.trace(step, state, batch)
     trace_s = time.perf_counter() - t0
     rows = []
-    for devices in DEVICES:
+    for devices in devices_list:
         cluster = _cluster(devices)
         for mesh in candidate_meshes(cluster.groups[0].device_ids, cluster):
-            for period in (1, 0):
-                if period == 0 and layers > untied_max_layers:
-                    continue
+            for period in periods:
                 t0 = time.perf_counter()
                 ip = build_intraop_problem(graph, mesh, cluster, tie_period=period,
-                                           time_limit_s=120.0)
+                                           time_limit_s=time_limit_s)
                 t1 = time.perf_counter()
                 solution = solve(ip.problem)
                 t2 = time.perf_counter()
                 p = ip.problem
                 rows.append({
-                    "layers": layers, "devices": devices, "mesh": list(mesh.axis_sizes),
-                    "tied": period == 1, "trace_s": trace_s, "build_s": t1 - t0,
+                    "layers": layers, "scan": scan, "devices": devices,
+                    "mesh": list(mesh.axis_sizes), "tied": scan or period == 1,
+                    "trace_s": trace_s, "build_s": t1 - t0,
                     "solve_s": t2 - t1, "nodes": len(p.nodes), "edges": len(p.edges),
                     "strategy_pairs": sum(len(e.cost) for e in p.edges),
                     "variables": solution.stats.get("variables"),
@@ -113,8 +114,13 @@ def _scaling(layers: int, untied_max_layers: int) -> list[dict]:
     return rows
 
 
-def _child(kind: str, layers: int, untied_max_layers: int) -> None:
-    out = _end_to_end() if kind == "end_to_end" else _scaling(layers, untied_max_layers)
+def _child(kind: str, layers: int, time_limit_s: float) -> None:
+    if kind == "end_to_end":
+        out: object = _end_to_end()
+    elif kind == "scaling":
+        out = _scaling(layers, True, DEVICES, (1,), time_limit_s)
+    else:
+        out = _scaling(layers, False, (8,), (1, 0), time_limit_s)
     print(json.dumps(out))
 
 
@@ -127,14 +133,16 @@ def _run_child(*args: str) -> object:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="end-to-end runs (median)")
-    parser.add_argument("--untied-max-layers", type=int, default=24)
+    parser.add_argument("--loop-layers", type=int, default=4)
+    parser.add_argument("--time-limit-s", type=float, default=60.0)
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        kind, layers, untied = args.child
-        _child(kind, int(layers), int(untied))
+        kind, layers, limit = args.child
+        _child(kind, int(layers), float(limit))
         return 0
     runs = [_run_child("end_to_end", "96", "0") for _ in range(args.repeats)]
+    limit = str(args.time_limit_s)
     e2e = dict(runs[-1])  # type: ignore[arg-type]
     e2e["make_plan_s"] = statistics.median(r["make_plan_s"] for r in runs)  # type: ignore[index]
     e2e["make_plan_s_runs"] = [r["make_plan_s"] for r in runs]  # type: ignore[index]
@@ -145,11 +153,13 @@ def main() -> int:
           f"{e2e['mesh']}, {e2e['status']}, {e2e['variables']} variables")
     rows: list[dict] = []
     for layers in LAYERS:
-        rows += _run_child("scaling", str(layers), str(args.untied_max_layers))  # type: ignore
-    print(f"{'layers':>6}{'devices':>8}{'mesh':>12}{'tied':>6}{'nodes':>7}{'pairs':>10}"
-          f"{'vars':>9}{'build s':>9}{'solve s':>9}  status")
+        rows += _run_child("scaling", str(layers), limit)  # type: ignore[arg-type]
+    rows += _run_child("tying", str(args.loop_layers), limit)  # type: ignore[arg-type]
+    print(f"{'layers':>6}{'blocks as':>10}{'devices':>8}{'mesh':>12}{'tied':>6}{'nodes':>7}"
+          f"{'pairs':>10}{'vars':>9}{'build s':>9}{'solve s':>9}  status")
     for r in rows:
-        print(f"{r['layers']:>6}{r['devices']:>8}{'x'.join(map(str, r['mesh'])):>12}"
+        print(f"{r['layers']:>6}{'scan' if r['scan'] else 'loop':>10}{r['devices']:>8}"
+              f"{'x'.join(map(str, r['mesh'])):>12}"
               f"{'yes' if r['tied'] else 'no':>6}{r['nodes']:>7}{r['strategy_pairs']:>10}"
               f"{r['variables'] or 0:>9}{r['build_s']:>9.2f}{r['solve_s']:>9.2f}  {r['status']}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
