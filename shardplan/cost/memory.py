@@ -45,6 +45,7 @@ import bisect
 import collections
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, Literal
 
 from shardplan.trace.graph import Op, OpGraph
@@ -244,17 +245,18 @@ def estimate_memory(graph: OpGraph, local_bytes: Callable[[int], int], *,
         by_role[role] = by_role.get(role, 0) + local_bytes(p.tensor)
     argument = sum(by_role.values())
     output = sum(local_bytes(t) for t in outputs if t not in inputs)
-    alias = 0
+    aliased: AbstractSet[int] = frozenset()
     if donated:
         in_paths = {f"{p.arg_index}/{p.path}" for p in graph.parameters}
-        alias = sum(local_bytes(t) for t, path in zip(graph.outputs, graph.output_paths,
-                                                       strict=True)
-                    if t is not None and t not in inputs and path in in_paths)
+        aliased = {t for t, path in zip(graph.outputs, graph.output_paths, strict=True)
+                   if t is not None and t not in inputs and path in in_paths}
+    alias = sum(local_bytes(t) for t in aliased)
     gathered: dict[int, tuple[int, int]] = {}
     for c in collectives:
         if c.kind == "all-gather" and c.tensor not in gathered:
             gathered[c.tensor] = (c.op, c.result_bytes)
-    temps, loop_state, results = _live_buffers(graph, local_bytes, inputs, outputs, gathered)
+    temps, loop_state, results = _live_buffers(graph, local_bytes, inputs, outputs, gathered,
+                                               aliased)
     temp = _max_live(_pack_into_results(temps, results) + loop_state, len(graph.ops))
     grads = sum(local_bytes(t) for t in _gradients(graph))
     saved = saved_activation_bytes(graph, local_bytes, "none")
@@ -274,9 +276,12 @@ _Interval = tuple[int, int, int]
 
 
 def _live_buffers(graph: OpGraph, local_bytes: Callable[[int], int], inputs: set[int],
-                  outputs: set[int], gathered: Mapping[int, tuple[int, int]]
+                  outputs: set[int], gathered: Mapping[int, tuple[int, int]],
+                  aliased: AbstractSet[int] = frozenset()
                   ) -> tuple[list[_Interval], list[_Interval], list[_Interval]]:
-    """The intermediate buffers, the loops' stacked results, and the results.
+    """The intermediate buffers, the loops' stacked results, and the results that have their
+    own allocation (not those written in place into a donated argument, whose allocation is
+    the argument's and holds it from the start: no intermediate can share it).
 
     A loop's stacked results are part of the loop's state, which XLA allocates with the loop
     (a while loop's colocated buffers) rather than in a result's allocation.
@@ -332,7 +337,7 @@ def _live_buffers(graph: OpGraph, local_bytes: Callable[[int], int], inputs: set
     temps += _shared_broadcasts(graph, local_bytes, fusion_of, gathered)
     temps += [c for tensor_copies in copies.values() for c in tensor_copies]
     n = len(graph.ops)
-    results = [(p, n, local_bytes(t)) for t in outputs if t not in inputs
+    results = [(p, n, local_bytes(t)) for t in outputs if t not in inputs and t not in aliased
                and (p := graph.tensors[t].producer) is not None]
     return temps, loop_state, results
 
