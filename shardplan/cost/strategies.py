@@ -20,7 +20,7 @@ from shardplan.cluster.mesh import LogicalMesh
 from shardplan.cost.rules import OpRule
 from shardplan.cost.sharding import Spec
 
-__all__ = ["OpStrategy", "enumerate_strategies"]
+__all__ = ["OpStrategy", "enumerate_strategies", "factor_specs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +46,8 @@ class OpStrategy:
         return not self.factors
 
 
-def _specs(dims_list, factors: Mapping[int, tuple[str, ...]]) -> tuple[Spec, ...]:
+def factor_specs(dims_list, factors: Mapping[int, tuple[str, ...]]) -> tuple[Spec, ...]:
+    """Per tensor, its spec when ``factors`` (``{factor id: axes}``) are sharded."""
     return tuple(tuple(tuple(a for f in fs for a in factors.get(f, ())) for fs in dims)
                  for dims in dims_list)
 
@@ -81,7 +82,7 @@ def enumerate_strategies(rule: OpRule, mesh: LogicalMesh) -> tuple[OpStrategy, .
         partial = tuple(a for f, ax in sorted(factors.items())
                         if rule.factors[f].kind == "reduce" for a in ax)
         used = tuple(a for ax in factors.values() for a in ax)
-        out.append(OpStrategy(factors=factors, operand_specs=_specs(rule.operands, factors),
-                              result_specs=_specs(rule.results, factors),
+        out.append(OpStrategy(factors=factors, operand_specs=factor_specs(rule.operands, factors),
+                              result_specs=factor_specs(rule.results, factors),
                               partial_axes=partial, shards=mesh.size(used)))
     return tuple(out)

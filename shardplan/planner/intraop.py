@@ -33,7 +33,7 @@ from shardplan.cost.compute import (
 from shardplan.cost.memory import buffer_tensors
 from shardplan.cost.rules import Factor, OpRule, op_rule
 from shardplan.cost.sharding import ReshardStep, Spec, reduce_steps, reshard_steps
-from shardplan.cost.strategies import OpStrategy, enumerate_strategies
+from shardplan.cost.strategies import OpStrategy, enumerate_strategies, factor_specs
 from shardplan.errors import ClusterError, format_error
 from shardplan.solver import Edge, Follower, Node, Problem, Solution
 from shardplan.trace.graph import OpGraph
@@ -363,10 +363,8 @@ def _derive(rule: OpRule, mesh: LogicalMesh, leader: tuple[OpStrategy, ...], j: 
             if rule.factors[f].kind == "fixed" or rule.factors[f].size % mesh.size(axes):
                 return None
             factors[f] = axes
-        operand_specs = tuple(tuple(tuple(a for f in fs for a in factors.get(f, ()))
-                                    for fs in operand) for operand in rule.operands)
-        result_specs = tuple(tuple(tuple(a for f in fs for a in factors.get(f, ()))
-                                   for fs in result) for result in rule.results)
+        operand_specs = factor_specs(rule.operands, factors)
+        result_specs = factor_specs(rule.results, factors)
         partial = tuple(a for f, axes in sorted(factors.items())
                         if rule.factors[f].kind == "reduce" for a in axes)
         used = tuple(a for axes in factors.values() for a in axes)

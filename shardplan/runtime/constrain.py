@@ -25,11 +25,10 @@ from jax.extend import core as jex_core
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardplan.plan.plan import Spec
 from shardplan.trace.flatten import call_like_jaxpr
 
 __all__ = ["constrained", "parse_path", "partition_spec"]
-
-Spec = tuple[tuple[str, ...], ...]
 
 
 def partition_spec(spec: Spec) -> P:

@@ -17,13 +17,9 @@ from jax.sharding import PartitionSpec as P
 
 from shardplan.errors import PipelineError, PlanMismatchError, format_error
 from shardplan.plan import Plan
-from shardplan.runtime.constrain import constrained, parse_path
+from shardplan.runtime.constrain import constrained, parse_path, partition_spec
 
 __all__ = ["PlannedStep", "apply_plan"]
-
-
-def _pspec(spec: tuple[tuple[str, ...], ...]) -> P:
-    return P(*[None if not axes else axes[0] if len(axes) == 1 else axes for axes in spec])
 
 
 def _placed(tree: Any, shardings: Any) -> Any:
@@ -73,7 +69,7 @@ class PlannedStep:
                         remedy="make the plan for this state and batch"))
                 spec = table[key]
                 spec = spec[1] if arg == "state" else spec
-                return NamedSharding(self.mesh, _pspec(spec))
+                return NamedSharding(self.mesh, partition_spec(spec))
             return one
 
         state_sh = jax.tree_util.tree_map_with_path(
