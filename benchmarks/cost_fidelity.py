@@ -83,7 +83,7 @@ def run_case(name: str) -> dict:
                           "temp": memory.temp_bytes, "total": memory.peak_bytes},
             "compiled": {"argument": m.argument_bytes, "output": m.output_bytes,
                          "temp": m.temp_bytes, "total": xla_total,
-                         "xla_peak_memory_in_bytes": m.peak_bytes},
+                         "xla_peak_memory_in_bytes": m.xla_peak_bytes},
         },
     }
 

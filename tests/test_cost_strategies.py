@@ -62,7 +62,17 @@ def test_reshard_steps() -> None:
     assert reshard_steps((("x",), ()), ((), ())) == (ReshardStep("all-gather", ("x",),
                                                                  ((), ())),)
     assert reshard_steps((("x",), ()), ((), ("x",))) == (ReshardStep("all-to-all", ("x",),
-                                                                     (("x",), ())),)
+                                                                     ((), ("x",))),)
+    # Axes dropped from both dimensions: one all-gather each, the last dimension first.
+    assert reshard_steps((("x",), ("y",)), ((), ())) == (
+        ReshardStep("all-gather", ("y",), (("x",), ())),
+        ReshardStep("all-gather", ("x",), ((), ())))
+    # Moved and dropped at once, or an axis put in front of another: XLA gathers the whole
+    # value and slices it (see reshard_steps); priced as that all-gather.
+    assert reshard_steps((("x", "y"), ()), ((), ("y",))) == (
+        ReshardStep("all-gather", ("x", "y"), ((), ())),)
+    assert reshard_steps((("y",), ()), (("x", "y"), ())) == (
+        ReshardStep("all-gather", ("y",), ((), ())),)
     # A partial sum reduced to a sharded result: reduce-scatter (all-reduce on CPU).
     assert reduce_steps(((), ()), (("x",), ()), ("x",)) == (
         ReshardStep("reduce-scatter", ("x",), (("x",), ())),)

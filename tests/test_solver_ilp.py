@@ -28,6 +28,7 @@ from shardplan.solver import (
     Alias,
     Edge,
     Follower,
+    MemoryCut,
     Node,
     Problem,
     Solution,
@@ -548,6 +549,46 @@ def test_problems_dumped_before_relative_gap_still_load() -> None:
     data = json.loads(problem.to_json())
     assert data.pop("relative_gap") == 0.25
     assert Problem.from_json(json.dumps(data)).relative_gap == 0.0
+
+
+# --------------------------------------------------------------------------- memory cuts
+
+
+def _gather_problem(budget: float) -> Problem:
+    """A weight (holder: replicated 400 B or sharded 100 B, sharded cheaper to update) read by
+    a matmul (reader: needs the whole weight, 400 B, fast; or a quarter, 100 B, slow)."""
+    holder = Node("weight", (2.0, 1.0), (0.0, 0.0), (400.0, 100.0))
+    reader = Node("matmul", (1.0, 5.0), (0.0, 0.0), (0.0, 0.0))
+    cut = MemoryCut(terms=((0, (400.0, 100.0)),), fixed_bytes=50.0, name="peak",
+                    copies=((1, (400.0, 100.0), 0, (400.0, 100.0)),))
+    return Problem((holder, reader), (), memory_cuts=(cut,), memory_budget_bytes=budget)
+
+
+@pytest.mark.parametrize(("budget", "expected"), [
+    (1e9, (1, 0)),    # cost 2: sharded weight gathered for the fast matmul, 100 + 400 + 50 B
+    (549.0, (0, 0)),  # cost 3: no room for the copy; the replicated weight read in place, 450 B
+    (449.0, (1, 1)),  # cost 6: the slow matmul reads its shard, 150 B
+    (149.0, None),
+])
+def test_a_gathered_copy_counts_only_where_the_reader_needs_more_than_is_held(
+        budget: float, expected: tuple[int, ...] | None) -> None:
+    problem = _gather_problem(budget)
+    assert evaluate(problem, (1, 0)).live_memory_bytes == (550.0,)
+    assert evaluate(problem, (0, 0)).live_memory_bytes == (450.0,)
+    assert evaluate(problem, (1, 1)).live_memory_bytes == (150.0,)
+    solution = solve(problem)
+    best, _ = brute_force(problem)
+    assert best == expected
+    assert solution.assignment == expected
+    if expected is None:
+        assert solution.stats["infeasible_because"] == ["memory"]
+    assert Problem.from_json(problem.to_json()) == problem
+
+
+def test_memory_cut_coefficients_are_checked() -> None:
+    with pytest.raises(SolverError, match="memory_cuts"):
+        Problem((Node("a", (1.0,), (0.0,), (0.0,)),), (),
+                memory_cuts=(MemoryCut(((0, (1.0, 2.0)),)),))
 
 
 # --------------------------------------------------------------------------- no jax

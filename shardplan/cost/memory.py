@@ -127,6 +127,12 @@ class MemoryEstimate:
       by_role: input bytes per role (``parameter``, ``optimizer_state``, ``other``).
       gradient_bytes: gradients (backward results the update reads).
       saved_activation_bytes: forward values kept for the backward pass.
+      peak_op: the op (program order) at which the intermediates peak (``temp_bytes``).
+      peak_buffers: the intermediates live there, outside the results' allocations, as
+        ``(tensor id, reader op, bytes)``: a value of the traced program (reader -1), the
+        copy of a tensor all-gathered for an op (an FSDP weight), or another buffer (tensor
+        and reader -1: a copy in another layout, a shared broadcast). Their bytes sum to
+        ``temp_bytes``.
     """
 
     argument_bytes: int
@@ -136,6 +142,14 @@ class MemoryEstimate:
     by_role: dict[str, int]
     gradient_bytes: int
     saved_activation_bytes: int
+    peak_op: int = 0
+    peak_buffers: tuple[tuple[int, int, int], ...] = ()
+    heap: tuple[tuple[int, ...], ...] = dataclasses.field(default=(), repr=False)
+
+    def buffers_at(self, op: int) -> tuple[tuple[int, int, int], ...]:
+        """The intermediates outside the results' allocations live at ``op``, as
+        :attr:`peak_buffers` describes them."""
+        return _buffers_at(list(self.heap), op)
 
     @property
     def peak_bytes(self) -> int:
@@ -257,12 +271,15 @@ def estimate_memory(graph: OpGraph, local_bytes: Callable[[int], int], *,
             gathered[c.tensor] = (c.op, c.result_bytes)
     temps, loop_state, results = _live_buffers(graph, local_bytes, inputs, outputs, gathered,
                                                aliased)
-    temp = _max_live(_pack_into_results(temps, results) + loop_state, len(graph.ops))
+    heap = _pack_into_results(temps, results) + loop_state
+    temp, at = _peak(heap, len(graph.ops))
+    peak_buffers = _buffers_at(heap, at)
     grads = sum(local_bytes(t) for t in _gradients(graph))
     saved = saved_activation_bytes(graph, local_bytes, "none")
     return MemoryEstimate(argument_bytes=argument, output_bytes=output, temp_bytes=temp,
                           alias_bytes=alias, by_role=by_role, gradient_bytes=grads,
-                          saved_activation_bytes=saved)
+                          saved_activation_bytes=saved, peak_op=at,
+                          peak_buffers=peak_buffers if temp else (), heap=tuple(heap))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,8 +288,10 @@ def estimate_memory(graph: OpGraph, local_bytes: Callable[[int], int], *,
 # are one model, measured and tuned together; the fusion part could move to its own module.)
 # ---------------------------------------------------------------------------------------------
 
-_Interval = tuple[int, int, int]
-"""``(first op, last op, bytes)`` of a buffer, both ops included."""
+_Interval = tuple[int, ...]
+"""``(first op, last op, bytes)`` of a buffer, both ops included; then, for the buffer of a
+value of the traced program, its tensor id, or for a gathered copy the tensor and the op it is
+gathered for."""
 
 
 def _live_buffers(graph: OpGraph, local_bytes: Callable[[int], int], inputs: set[int],
@@ -330,14 +349,16 @@ def _live_buffers(graph: OpGraph, local_bytes: Callable[[int], int], inputs: set
             start = min(graph.consumers[t])  # sliced where an iteration reads it
         s = span.setdefault(root, [start, last[t], 0])
         s[0], s[1], s[2] = min(s[0], start), max(s[1], last[t]), max(s[2], local_bytes(t))
-    temps = [(a, b, size) for r, (a, b, size) in span.items() if r not in stacked]
-    loop_state = [(a, b, size) for r, (a, b, size) in span.items() if r in stacked]
+    temps: list[_Interval] = [(a, b, size, r) for r, (a, b, size) in span.items()
+                              if r not in stacked]
+    loop_state: list[_Interval] = [(a, b, size, r) for r, (a, b, size) in span.items()
+                                   if r in stacked]
     # An all-gathered tensor is gathered once (XLA's CSE) for every op that reads it.
-    temps += [(op, last[t], size) for t, (op, size) in gathered.items()]
+    temps += [(op, last[t], size, t, op) for t, (op, size) in gathered.items()]
     temps += _shared_broadcasts(graph, local_bytes, fusion_of, gathered)
     temps += [c for tensor_copies in copies.values() for c in tensor_copies]
     n = len(graph.ops)
-    results = [(p, n, local_bytes(t)) for t in outputs if t not in inputs and t not in aliased
+    results: list[_Interval] = [(p, n, local_bytes(t)) for t in outputs if t not in inputs and t not in aliased
                and (p := graph.tensors[t].producer) is not None]
     return temps, loop_state, results
 
@@ -647,9 +668,9 @@ def _pack_into_results(temps: list[_Interval], results: list[_Interval]) -> list
         by_size[size].sort(key=lambda a: a[0])
     written = {size: [a[0] for a in by_size[size]] for size in sizes}
     heap: list[_Interval] = []
-    for start, end, size in sorted(temps, key=lambda b: -b[2]):
-        if not _assign(start, end, size, sizes, by_size, written):
-            heap.append((start, end, size))
+    for buffer in sorted(temps, key=lambda b: -b[2]):
+        if not _assign(buffer[0], buffer[1], buffer[2], sizes, by_size, written):
+            heap.append(buffer)
     return heap
 
 
@@ -667,17 +688,33 @@ def _assign(start: int, end: int, size: int, sizes: list[int],
     return False
 
 
+def _buffers_at(heap: list[_Interval], op: int) -> tuple[tuple[int, int, int], ...]:
+    return tuple(sorted((*_what(b), b[2]) for b in heap if b[0] <= op <= b[1]))
+
+
+def _what(buffer: _Interval) -> tuple[int, int]:
+    """``(tensor id, reader op)`` of a buffer (see :attr:`MemoryEstimate.peak_buffers`)."""
+    tensor, reader = (*buffer[3:], -1, -1)[:2]
+    return tensor, reader
+
+
 def _max_live(buffers: list[_Interval], n: int) -> int:
     """The peak, over ``n`` ops, of the bytes of the live buffers."""
+    return _peak(buffers, n)[0]
+
+
+def _peak(buffers: list[_Interval], n: int) -> tuple[int, int]:
+    """The peak, over ``n`` ops, of the bytes of the live buffers, and the first op at it."""
     delta = [0] * (n + 2)
-    for start, end, size in buffers:
+    for start, end, size, *_ in buffers:
         delta[start] += size
         delta[end + 1] -= size
-    peak = live = 0
-    for d in delta:
+    peak = live = at = 0
+    for i, d in enumerate(delta):
         live += d
-        peak = max(peak, live)
-    return peak
+        if live > peak:
+            peak, at = live, i
+    return peak, at
 
 
 # ---------------------------------------------------------------------------------------------

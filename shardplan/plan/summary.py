@@ -146,7 +146,7 @@ def _format_bytes(n: int) -> str:
 
 def _format_gib(n: int) -> str:
     """GiB with two decimals; small values (tiny test models) in a unit that shows them."""
-    return f"{n / _GIB:,.2f} GiB" if n >= _GIB // 100 else _format_bytes(n)
+    return f"{n / _GIB:,.2f} GiB" if n >= _GIB // 10 else _format_bytes(n)
 
 
 def _share(part: float, whole: float) -> str:

@@ -15,6 +15,7 @@ from shardplan.solver.problem import SCHEMA_VERSION as SCHEMA_VERSION
 from shardplan.solver.problem import Alias as Alias
 from shardplan.solver.problem import Edge as Edge
 from shardplan.solver.problem import Follower as Follower
+from shardplan.solver.problem import MemoryCut as MemoryCut
 from shardplan.solver.problem import MemoryMode as MemoryMode
 from shardplan.solver.problem import Node as Node
 from shardplan.solver.problem import Problem as Problem
@@ -29,6 +30,7 @@ __all__ = [
     "Edge",
     "Evaluation",
     "Follower",
+    "MemoryCut",
     "MemoryMode",
     "Node",
     "Problem",

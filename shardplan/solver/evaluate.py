@@ -69,7 +69,8 @@ class Evaluation:
       lower_bound: per-term lower bounds independent of the assignment (each node's cheapest
         finite strategy, each edge's cheapest finite pair, the penalty of ``lower_bound_peak``),
         as XLA's evaluator reports them.
-      live_memory_bytes: live memory at each time step of ``Problem.liveness``.
+      live_memory_bytes: live memory at each time step of ``Problem.liveness``, then of
+        each of ``Problem.memory_cuts``.
       peak_memory_bytes: the maximum of ``live_memory_bytes`` (0 without time steps).
       peak_step: the first time step reaching the peak, or ``None`` without time steps.
       lower_bound_peak_bytes: the peak if every live node took its smallest strategy.
@@ -113,14 +114,12 @@ def evaluate(problem: Problem, assignment: Sequence[int], /) -> Evaluation:
     """
     chosen = _check_assignment(problem, assignment)
     nodes = problem.nodes
-    live = tuple(
-        math.fsum(nodes[i].memory_bytes[chosen[i]] for i in step) for step in problem.liveness
-    )
+    steps = problem.memory_steps()
+    live = tuple(cut.value(chosen) for cut in steps)
     peak = max(live, default=0.0)
-    lb_peak = max(
-        (math.fsum(min(nodes[i].memory_bytes) for i in step) for step in problem.liveness),
-        default=0.0,
-    )
+    # (A copy is at least 0 bytes: the bound leaves them out.)
+    lb_peak = max((math.fsum([c.fixed_bytes, *(min(k) for _, k in c.terms)]) for c in steps),
+                  default=0.0)
     departures = math.fsum(
         n.departure_cost[s]
         for n, s in zip(nodes, chosen, strict=True)
@@ -260,13 +259,14 @@ def _memory_violations(problem: Problem, live: Sequence[float]) -> list[Violatio
     if budget is None or problem.memory_mode != "hard":
         return []
     out = []
-    for t, (step, live_bytes) in enumerate(zip(problem.liveness, live, strict=True)):
+    for cut, live_bytes in zip(problem.memory_steps(), live, strict=True):
         if live_bytes > budget:
-            names = ", ".join(problem.nodes[i].name for i in step)
+            label = cut.name
+            names = ", ".join(dict.fromkeys(problem.nodes[i].name for i, _ in cut.all_terms()))
             out.append(
                 Violation(
                     "memory",
-                    f"time step {t}: live memory {live_bytes:,.0f} bytes > budget "
+                    f"{label}: live memory {live_bytes:,.0f} bytes > budget "
                     f"{budget:,.0f} bytes (live: {names})",
                 )
             )

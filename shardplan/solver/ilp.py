@@ -210,37 +210,60 @@ def _add_memory(
     """Adds the memory constraints; returns the soft-mode excess variable (or ``None``)."""
     budget_bytes = problem.memory_budget_bytes
     soft = problem.memory_mode == "soft"
-    if budget_bytes is None or not problem.liveness or (not soft and "memory" not in families):
+    memory_steps = problem.memory_steps()
+    if budget_bytes is None or not memory_steps or (not soft and "memory" not in families):
         return None
     q = scaling.memory_quantum_bytes
     budget = math.floor(budget_bytes / q)
     steps = []
-    for step in problem.liveness:
+    worst_steps = []
+
+    def linear(terms: Any) -> tuple[dict[Any, int], int]:
+        """The terms in memory units by variable, and their largest value."""
         per_var: dict[Any, int] = {}
-        for i in step:
+        for i, coefficients in terms:
             r = red.root[i]
-            for s, m in enumerate(problem.nodes[i].memory_bytes):
+            for s, m in enumerate(coefficients):
                 units = math.ceil(m / q)
                 if units and not red.forbidden_by[r][s]:
                     per_var[x[r][s]] = per_var.get(x[r][s], 0) + units
-        worst = sum(max(math.ceil(m / q) for m in problem.nodes[i].memory_bytes) for i in step)
+        worst = sum(max(math.ceil(m / q) for m in c) for _, c in terms)
+        return per_var, worst
+
+    for c, cut in enumerate(memory_steps):
+        per_var, worst = linear(cut.terms)
+        fixed_units = math.ceil(cut.fixed_bytes / q)
+        parts = []
+        for p, (reader, needed, holder, held) in enumerate(cut.copies):
+            rr, rh = red.root[reader], red.root[holder]
+            units = [math.ceil(m / q) for m in needed]
+            top = max(units)
+            if top <= 0:
+                continue
+            # z >= needed[s] for the reader's s and the holder's t with needed[s] > held[t]:
+            # for each t, z >= sum(needed[s] x[reader, s] over those s) - top (1 - x[holder, t]).
+            z = model.new_int_var(0, top, f"memory_copy_{c}_{p}")
+            for t, h in enumerate(held):
+                if red.forbidden_by[rh][t]:
+                    continue
+                more = {s: u for s, u in enumerate(units)
+                        if needed[s] > h and u and not red.forbidden_by[rr][s]}
+                if more:
+                    model.add(z >= cp_model.LinearExpr.weighted_sum(
+                        [x[rr][s] for s in more], list(more.values())) - top
+                        + top * x[rh][t])
+            parts.append(z)
+            worst += top
+        worst += fixed_units
+        worst_steps.append(worst)
         if worst > budget:
-            steps.append(cp_model.LinearExpr.weighted_sum(list(per_var), list(per_var.values())))
+            steps.append(fixed_units + sum(parts) + cp_model.LinearExpr.weighted_sum(
+                list(per_var), list(per_var.values())))
     if not soft:
         for live in steps:
             model.add(live <= budget)
         return None
-    upper = (
-        max(
-            (
-                sum(max(math.ceil(m / q) for m in problem.nodes[i].memory_bytes) for i in st)
-                for st in problem.liveness
-            ),
-            default=0,
-        )
-        - budget
-    )
-    excess = model.new_int_var(0, max(0, upper), "memory_excess")
+    excess = model.new_int_var(0, max(0, max(worst_steps) - budget), "memory_excess")
     for live in steps:
         model.add(excess >= live - budget)
     return excess
@@ -454,11 +477,11 @@ def _diagnose(problem: Problem, red: Reduced, scaling: Scaling, deadline: float)
 
 def _memory_detail(problem: Problem) -> str:
     budget = problem.memory_budget_bytes or 0.0
-    for t, step in enumerate(problem.liveness):
-        least = sum(min(problem.nodes[i].memory_bytes) for i in step)
+    for cut in problem.memory_steps():
+        least = cut.fixed_bytes + sum(min(c) for _, c in cut.terms)
         if least > budget:
             return (
-                f"time step {t} needs at least {least:,.0f} bytes > budget {budget:,.0f} "
+                f"{cut.name} needs at least {least:,.0f} bytes > budget {budget:,.0f} "
                 f"bytes even with the smallest strategies"
             )
     return f"no allowed plan keeps every time step within {budget:,.0f} bytes"

@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -31,6 +32,7 @@ __all__ = [
     "Alias",
     "Edge",
     "Follower",
+    "MemoryCut",
     "MemoryMode",
     "Node",
     "Problem",
@@ -201,6 +203,65 @@ class Alias:
 
 
 @dataclass(frozen=True)
+class MemoryCut:
+    """One more time step, whose live memory is a function of the choice:
+    ``fixed_bytes + sum(terms) + sum(copies)`` must fit the budget.
+
+    A term ``(node, coefficients)`` counts its chosen strategy's coefficient. A copy
+    ``(reader, needed, holder, held)`` is a buffer that exists only for some pairs of choices:
+    the reader's chosen strategy needs ``needed[s]`` bytes of a value that the holder's holds
+    as ``held[t]`` bytes; a reader needing more than is held gathers a copy of ``needed[s]``
+    bytes (an all-gathered weight), otherwise it reads the value in place (0 bytes).
+
+    Attributes:
+      terms: ``(node index, one coefficient per strategy)`` pairs; a node may appear in
+        several.
+      fixed_bytes: bytes live whatever the choice.
+      name: a label for violations.
+      copies: ``(reader node, needed bytes per strategy, holder node, held bytes per
+        strategy)``.
+    """
+
+    terms: tuple[tuple[int, tuple[float, ...]], ...]
+    fixed_bytes: float = 0.0
+    name: str = ""
+    copies: tuple[tuple[int, tuple[float, ...], int, tuple[float, ...]], ...] = ()
+
+    def __post_init__(self) -> None:
+        where = f"MemoryCut({self.name!r})"
+        object.__setattr__(self, "terms", _terms(self.terms, where=f"{where}.terms"))
+        copies = []
+        for reader, needed, holder, held in self.copies:
+            ((r, a), (h, b)) = _terms(((reader, needed), (holder, held)),
+                                      where=f"{where}.copies")
+            copies.append((r, a, h, b))
+        object.__setattr__(self, "copies", tuple(copies))
+        object.__setattr__(self, "fixed_bytes", float(self.fixed_bytes))
+
+    def all_terms(self) -> tuple[tuple[int, tuple[float, ...]], ...]:
+        """The terms, and the reader and holder of each copy."""
+        return self.terms + tuple(t for r, a, h, b in self.copies for t in ((r, a), (h, b)))
+
+    def value(self, chosen: Sequence[int]) -> float:
+        """Live bytes under ``chosen`` (one strategy index per node)."""
+        return math.fsum([self.fixed_bytes, *(c[chosen[i]] for i, c in self.terms),
+                          *(a[chosen[r]] for r, a, h, b in self.copies
+                            if a[chosen[r]] > b[chosen[h]])])
+
+
+def _terms(terms: Iterable[tuple[int, Iterable[float]]], *, where: str
+           ) -> tuple[tuple[int, tuple[float, ...]], ...]:
+    out = []
+    for i, coefficients in terms:
+        values = tuple(float(c) for c in coefficients)
+        if not all(math.isfinite(c) for c in values):
+            raise _invalid("memory coefficients must be finite", where=where, value=values,
+                           remedy="give one finite byte count per strategy")
+        out.append((int(i), values))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
 class Problem:
     """One intra-op sharding problem: pick one strategy per node at minimum total cost.
 
@@ -212,7 +273,9 @@ class Problem:
     Attributes:
       nodes: the nodes, indexed by position.
       edges: resharding costs between nodes.
-      liveness: for each time step, the indices of the nodes live at it.
+      liveness: for each time step, the indices of the nodes live at it (a node listed twice
+        counts twice).
+      memory_cuts: further time steps as linear functions of the choice (:class:`MemoryCut`).
       memory_budget_bytes: per-device memory budget; ``None`` disables memory accounting.
       memory_mode: ``"hard"`` (live memory <= budget at every step) or ``"soft"`` (penalty).
       overbudget_coeff: soft mode: penalty per byte of the peak excess over the budget.
@@ -233,6 +296,7 @@ class Problem:
     edges: tuple[Edge, ...]
     _: KW_ONLY
     liveness: tuple[tuple[int, ...], ...] = ()
+    memory_cuts: tuple[MemoryCut, ...] = ()
     memory_budget_bytes: float | None = None
     memory_mode: MemoryMode = "hard"
     overbudget_coeff: float = 1e6
@@ -252,6 +316,7 @@ class Problem:
         set_(self, "nodes", tuple(self.nodes))
         set_(self, "edges", tuple(self.edges))
         set_(self, "liveness", tuple(tuple(int(i) for i in step) for step in self.liveness))
+        set_(self, "memory_cuts", tuple(self.memory_cuts))
         set_(self, "followers", tuple(self.followers))
         set_(self, "aliases", tuple(self.aliases))
         if self.hints is not None:
@@ -267,13 +332,23 @@ class Problem:
         set_(self, "workers", int(self.workers))
         _validate(self)
 
+    def memory_steps(self) -> tuple[MemoryCut, ...]:
+        """Every time step as a :class:`MemoryCut`: the liveness steps (each node's
+        ``memory_bytes``), then the cuts (named ``cut k`` where they have no name)."""
+        steps = tuple(MemoryCut(tuple((i, self.nodes[i].memory_bytes) for i in step),
+                                name=f"time step {t}") for t, step in enumerate(self.liveness))
+        return steps + tuple(c if c.name else dataclasses.replace(c, name=f"cut {k}")
+                             for k, c in enumerate(self.memory_cuts))
+
     def strategy_counts(self) -> tuple[int, ...]:
         """Number of strategies of each node."""
         return tuple(n.num_strategies for n in self.nodes)
 
     def to_json(self, *, indent: int | None = None) -> str:
         """Serialises the problem (``"inf"`` for infinite costs), with ``schema_version``."""
-        return json.dumps(_problem_to_dict(self), indent=indent)
+        from shardplan.solver.problem_json import problem_to_dict
+
+        return json.dumps(problem_to_dict(self), indent=indent)
 
     @classmethod
     def from_json(cls, text: str, /) -> Problem:
@@ -282,7 +357,9 @@ class Problem:
         Raises:
           SolverError: the schema version is unknown or a key is missing or unexpected.
         """
-        return _problem_from_dict(_load_versioned(text, "Problem"))
+        from shardplan.solver.problem_json import problem_from_dict
+
+        return problem_from_dict(_load_versioned(text, "Problem"))
 
 
 @dataclass(frozen=True)
@@ -405,6 +482,14 @@ def _validate(problem: Problem) -> None:
     for t, step in enumerate(problem.liveness):
         for i in step:
             index(i, f"Problem.liveness[{t}]")
+    for k, cut in enumerate(problem.memory_cuts):
+        for i, coefficients in cut.all_terms():
+            index(i, f"Problem.memory_cuts[{k}]")
+            if len(coefficients) != counts[i]:
+                raise _invalid(
+                    f"a term of node {i} has {len(coefficients)} coefficients for "
+                    f"{counts[i]} strategies", where=f"Problem.memory_cuts[{k}]",
+                    remedy="give one coefficient per strategy")
     _validate_hints(problem, counts)
     _validate_options(problem)
 
@@ -511,88 +596,3 @@ def _load_versioned(text: str, kind: str) -> dict[str, Any]:
             remedy="re-create the file with this version of shardplan",
         )
     return data
-
-
-_PROBLEM_KEYS = {
-    "name",
-    "nodes",
-    "edges",
-    "liveness",
-    "memory_budget_bytes",
-    "memory_mode",
-    "overbudget_coeff",
-    "max_departures",
-    "max_cost",
-    "followers",
-    "aliases",
-    "hints",
-    "time_limit_s",
-    "relative_gap",
-    "seed",
-    "workers",
-}
-
-
-def _problem_to_dict(p: Problem) -> dict[str, Any]:
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "name": p.name,
-        "nodes": [
-            {
-                "name": n.name,
-                "compute_cost": _encode_floats(n.compute_cost),
-                "communication_cost": _encode_floats(n.communication_cost),
-                "memory_bytes": list(n.memory_bytes),
-                "departure_cost": None if n.departure_cost is None else list(n.departure_cost),
-            }
-            for n in p.nodes
-        ],
-        "edges": [{"src": e.src, "dst": e.dst, "cost": _encode_floats(e.cost)} for e in p.edges],
-        "liveness": [list(step) for step in p.liveness],
-        "memory_budget_bytes": p.memory_budget_bytes,
-        "memory_mode": p.memory_mode,
-        "overbudget_coeff": p.overbudget_coeff,
-        "max_departures": p.max_departures,
-        "max_cost": p.max_cost,
-        "followers": [{"node": f.node, "leader": f.leader} for f in p.followers],
-        "aliases": [{"a": a.a, "b": a.b, "allowed": list(a.allowed)} for a in p.aliases],
-        "hints": None if p.hints is None else list(p.hints),
-        "time_limit_s": p.time_limit_s,
-        "relative_gap": p.relative_gap,
-        "seed": p.seed,
-        "workers": p.workers,
-    }
-
-
-def _problem_from_dict(d: dict[str, Any]) -> Problem:
-    d = {"relative_gap": 0.0, **d}  # absent from dumps made before it existed
-    _check_keys(d, _PROBLEM_KEYS, where="Problem")
-    nodes = tuple(
-        Node(
-            name=n["name"],
-            compute_cost=_decode_floats(n["compute_cost"]),
-            communication_cost=_decode_floats(n["communication_cost"]),
-            memory_bytes=tuple(n["memory_bytes"]),
-            departure_cost=None if n["departure_cost"] is None else tuple(n["departure_cost"]),
-        )
-        for n in d["nodes"]
-    )
-    edges = tuple(Edge(e["src"], e["dst"], _decode_floats(e["cost"])) for e in d["edges"])
-    return Problem(
-        nodes,
-        edges,
-        liveness=tuple(tuple(step) for step in d["liveness"]),
-        memory_budget_bytes=d["memory_budget_bytes"],
-        memory_mode=d["memory_mode"],
-        overbudget_coeff=d["overbudget_coeff"],
-        max_departures=d["max_departures"],
-        max_cost=d["max_cost"],
-        followers=tuple(Follower(f["node"], f["leader"]) for f in d["followers"]),
-        aliases=tuple(Alias(a["a"], a["b"], tuple(a["allowed"])) for a in d["aliases"]),
-        hints=None if d["hints"] is None else tuple(d["hints"]),
-        time_limit_s=d["time_limit_s"],
-        relative_gap=d["relative_gap"],
-        seed=d["seed"],
-        workers=d["workers"],
-        name=d["name"],
-    )

@@ -96,16 +96,17 @@ def _finite(values: Sequence[float]) -> list[float]:
 
 def _memory_bounds(problem: Problem) -> tuple[int, int]:
     """The memory quantum and the largest possible excess in memory units."""
-    if problem.memory_budget_bytes is None or not problem.liveness:
+    steps = problem.memory_steps()
+    if problem.memory_budget_bytes is None or not steps:
         return 1, 0
-    nodes = problem.nodes
-    worst = max(sum(max(nodes[i].memory_bytes) for i in step) for step in problem.liveness)
+    worst = max(c.fixed_bytes + sum(max(0.0, *k) for _, k in c.all_terms()) for c in steps)
     quantum = 1
     while worst / quantum > MEMORY_UNITS_LIMIT:
         quantum *= 2
     worst_units = max(
-        sum(math.ceil(max(nodes[i].memory_bytes) / quantum) for i in step)
-        for step in problem.liveness
+        math.ceil(c.fixed_bytes / quantum)
+        + sum(math.ceil(max(0.0, *k) / quantum) for _, k in c.all_terms())
+        for c in steps
     )
     return quantum, max(0, worst_units - math.floor(problem.memory_budget_bytes / quantum))
 

@@ -127,9 +127,12 @@ class MemoryReport:
       temp_bytes: temporaries (XLA's buffer assignment).
       alias_bytes: outputs that alias (donated) arguments.
       generated_code_bytes: the executable's code.
-      peak_bytes: XLA's ``peak_memory_in_bytes`` (its heap simulation) when it reports a
-        positive value; otherwise ``argument + output + temp − alias``.
-      peak_from_xla: whether ``peak_bytes`` is XLA's own figure.
+      peak_bytes: what the step allocates: ``argument + output + temp − alias`` (the
+        arguments, the results not written into donated arguments, and the temporaries'
+        preallocated block).
+      xla_peak_bytes: XLA's own ``peak_memory_in_bytes`` (0 where the backend gives none). On
+        XLA:CPU it is the arguments' bytes plus a few scalars, without the temporaries, so it
+        is kept for reference only.
     """
 
     argument_bytes: int
@@ -137,8 +140,11 @@ class MemoryReport:
     temp_bytes: int
     alias_bytes: int
     generated_code_bytes: int
-    peak_bytes: int
-    peak_from_xla: bool
+    xla_peak_bytes: int
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.argument_bytes + self.output_bytes + self.temp_bytes - self.alias_bytes
 
     @classmethod
     def from_stats(cls, stats: Any) -> MemoryReport:
@@ -148,17 +154,13 @@ class MemoryReport:
             value = getattr(stats, name, 0)
             return int(value) if value is not None else 0
 
-        argument, output = get("argument_size_in_bytes"), get("output_size_in_bytes")
-        temp, alias = get("temp_size_in_bytes"), get("alias_size_in_bytes")
-        peak = get("peak_memory_in_bytes")
         return cls(
-            argument_bytes=argument,
-            output_bytes=output,
-            temp_bytes=temp,
-            alias_bytes=alias,
+            argument_bytes=get("argument_size_in_bytes"),
+            output_bytes=get("output_size_in_bytes"),
+            temp_bytes=get("temp_size_in_bytes"),
+            alias_bytes=get("alias_size_in_bytes"),
             generated_code_bytes=get("generated_code_size_in_bytes"),
-            peak_bytes=peak if peak > 0 else argument + output + temp - alias,
-            peak_from_xla=peak > 0,
+            xla_peak_bytes=get("peak_memory_in_bytes"),
         )
 
 
