@@ -11,7 +11,8 @@ import shardplan as sp
 from shardplan.cluster.mesh import LogicalMesh
 from shardplan.cost.sharding import analyze_sharding, leaf_specs
 from shardplan.cost.step import step_cost
-from shardplan.planner.intraop import build_intraop_problem, decode_input_specs
+from shardplan.planner.decode import decode_input_specs
+from shardplan.planner.intraop import build_intraop_problem
 from shardplan.solver import evaluate, solve
 
 

@@ -764,7 +764,9 @@ def saved_activation_bytes(graph: OpGraph, local_bytes: Callable[[int], int],
                 continue
             if policy == "selective" and _quadratic(graph.tensors[t].shape):
                 continue
-            total += local_bytes(t)
+            # A scan's stacked result holds every layer's value: one layer's is its share.
+            share = len(op.layers) if layer is not None and op.primitive == "scan_stack" else 1
+            total += local_bytes(t) // max(share, 1)
     return total
 
 

@@ -34,15 +34,19 @@ from shardplan.cost.compute import (
 )
 from shardplan.cost.memory import buffer_tensors
 from shardplan.cost.rules import Factor, OpRule, op_rule
-from shardplan.cost.sharding import ReshardStep, Spec, reduce_steps, reshard_steps
+from shardplan.cost.sharding import (
+    ReshardStep,
+    Spec,
+    reduce_steps,
+    reshard_steps,
+)
 from shardplan.cost.strategies import OpStrategy, enumerate_strategies, factor_specs
 from shardplan.errors import ClusterError, format_error
 from shardplan.planner.memory import MemoryPeak, memory_cut
-from shardplan.solver import Edge, Follower, Node, Problem, Solution
+from shardplan.solver import Edge, Follower, Node, Problem
 from shardplan.trace.graph import OpGraph
 
-__all__ = ["IntraOpProblem", "build_intraop_problem", "decode_constraints", "decode_input_specs",
-           "tie_layers"]
+__all__ = ["IntraOpProblem", "build_intraop_problem", "tie_layers"]
 
 INPUT_BYTE_TIEBREAK_S = 1e-15
 """Seconds charged per byte an input holds on one device. Far below any real cost, it breaks
@@ -546,40 +550,3 @@ def _optimizer_followers(
         if len(strategies[a]) == len(strategies[b]):
             out.append(Follower(node=a, leader=b))
     return out
-
-
-def decode_constraints(graph: OpGraph, ip: IntraOpProblem, solution: Solution
-                       ) -> dict[tuple[int, ...], tuple[int, tuple[Spec, ...], tuple[Spec, ...]]]:
-    """What to pin, by equation path: ``{path: (op id, result specs, operand specs)}``.
-
-    Every op (not a value regenerated from constants; not inside a loop body, which the runtime
-    cannot address) with a non-scalar result. Followers are pinned too: a value whose producer
-    is free while two consumers read it differently is where the partitioner makes its own
-    choice (measured: computing a replicated value sharded for one consumer and gathering it
-    for the other), so nothing is left to propagation. Its results are pinned as the chosen strategy leaves
-    them after reducing partial sums, which is how the solver priced its consumers; its
-    operands as the strategy reads them (operand specs follow ``op.inputs``, which omits
-    literals: the runtime matches them to the equation's non-literal operands).
-    """
-    if solution.assignment is None:
-        raise ValueError("the solution has no assignment")
-    out: dict[tuple[int, ...], tuple[int, tuple[Spec, ...], tuple[Spec, ...]]] = {}
-    for op in graph.ops:
-        n = ip.op_nodes.get(op.id)
-        if (n is None or op.path is None or op.structural
-                or op.attrs.get("folded") or any(t in ip.free_tensors for t in op.outputs)
-                or not any(graph.tensors[t].shape for t in op.outputs)):
-            continue
-        strategy = ip.strategies[n][solution.assignment[n]]
-        out[op.path] = (op.id, strategy.result_specs, strategy.operand_specs)
-    return out
-
-
-def decode_input_specs(ip: IntraOpProblem, solution: Solution) -> dict[int, Spec]:
-    """The chosen sharding of every input tensor."""
-    if solution.assignment is None:
-        raise ValueError("the solution has no assignment")
-    return {
-        t: ip.strategies[n][solution.assignment[n]].result_specs[0]
-        for t, n in ip.input_nodes.items()
-    }

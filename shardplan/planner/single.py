@@ -15,11 +15,11 @@ from typing import Any
 
 from shardplan.cluster import Cluster
 from shardplan.cost.memory import MemoryEstimate, estimate_memory
-from shardplan.cost.sharding import analyze_sharding, leaf_specs
 from shardplan.cost.step import step_cost
 from shardplan.errors import InfeasibleError, PipelineError, format_error
 from shardplan.plan import MeshSpec, Plan, Predicted, Stage
-from shardplan.planner.intraop import decode_constraints, decode_input_specs, tie_layers
+from shardplan.planner.decode import decode_constraints, decode_input_specs, placed_analysis
+from shardplan.planner.intraop import tie_layers
 from shardplan.planner.memory import MemoryPeak, memory_peaks
 from shardplan.planner.mesh import MeshChoice, best_mesh
 from shardplan.trace import trace
@@ -197,19 +197,8 @@ def _build_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, choice: Me
     mesh = choice.mesh
     specs = decode_input_specs(choice.problem, choice.solution)
     constraints = decode_constraints(graph, choice.problem, choice.solution)
-    ins, outs = leaf_specs(graph, mesh, lambda p: specs[p.tensor])
-    # The prediction places every op as the solver decided (the runtime pins the deciding ops;
-    # the others follow them); values built from constants are left to propagation.
-    pinned, factors = dict(ins), {}
-    ip, assignment = choice.problem, choice.solution.assignment or ()
-    for op in graph.ops:
-        if any(t in ip.free_tensors for t in op.outputs):
-            continue
-        strategy = ip.strategies[ip.op_nodes[op.id]][assignment[ip.op_nodes[op.id]]]
-        factors[op.id] = strategy.factors
-        pinned.update(zip(op.outputs, strategy.result_specs, strict=True))
-    analysis = analyze_sharding(graph, mesh, pinned, outs, reduce_scatter=reduce_scatter,
-                                op_factors=factors)
+    analysis = placed_analysis(graph, choice.problem, choice.solution,
+                               reduce_scatter=reduce_scatter)
     cost = step_cost(graph, analysis, cluster)
     # apply_plan donates the state: new state leaves reuse the old ones' buffers.
     memory = estimate_memory(graph, lambda t: analysis.local_bytes(graph, t), donated=True,
