@@ -1,0 +1,478 @@
+"""The inter-op (pipeline) problem: which layers run as stages on which device type, on how
+many devices each, in how many data-parallel replicas, with which microbatches, schedule and
+remat. Plain data and the exact closed-form objective; imports nothing from jax.
+
+This module is the contract between the layer cost tables (built from the traced step by the
+intra-op planner), the stage planner (:mod:`shardplan.solver.stages`, which minimises
+:func:`evaluate_pipeline`), the brute-force enumeration that checks it, and the event simulator
+(:mod:`shardplan.solver.simulate`), which plays the same plan out microbatch by microbatch.
+
+The model
+---------
+A **layer** is one repeated block of the train step (its kind: the layer fingerprint). Running
+layer kind ``k`` on a sub-mesh of ``d`` devices of group ``g`` costs what
+``kinds[k].options[g]`` says for the option with ``devices == d`` (the intra-op solution on that
+sub-mesh): forward and backward seconds per microbatch as ``fixed + per_sample * mb`` (``mb``
+the microbatch size in samples), the extra backward seconds of each remat policy, the bytes of
+saved activations per sample per device under each policy, the static bytes per device
+(parameters, gradients, optimizer state), and the optimizer update's seconds per step.
+
+A **plan** (:class:`PipelinePlan`) is one or more **replicas** (data-parallel copies of the
+model; they may differ in structure and device types). A replica is a sequence of **stages**;
+stage ``i`` runs the contiguous layers ``[first, last)`` on ``devices`` devices of group
+``group``, with one remat policy; the stages of a replica cover every layer in order. All
+replicas use one microbatch size ``mb``; replica ``r`` runs ``microbatches[r]`` of them, and
+``sum(microbatches) * mb == batch`` (uneven data parallelism: faster replicas take more
+microbatches). One schedule for the plan: ``gpipe``, ``1f1b`` or ``interleaved`` with
+``chunks = v >= 2``: a replica's layers are cut into ``k * v`` contiguous chunks of equal
+length and chunk ``j`` runs on stage ``j mod k`` (Megatron's interleaved 1F1B), so stage ``i``
+holds chunks ``i, i + k, ..., i + (v - 1) k``.
+
+Feasibility (:func:`check_pipeline` lists every violation):
+
+* each stage's group has an option of ``devices`` devices for every layer kind it runs;
+* per group, the devices of all stages of all replicas add up to at most ``count``;
+* stage memory (per device) fits ``memory_bytes``:
+  ``state + in_flight * mb * activation`` where ``state`` and ``activation`` sum over the
+  stage's layers (activation under the stage's remat), and ``in_flight`` is
+  ``m`` (GPipe), ``min(m, k - i)`` (1F1B, stage ``i`` of ``k``, 0-based) or, interleaved,
+  ``min(m v, 2 (k - i - 1) + (v - 1) k + 1) / v`` (Megatron's warm-up chunks plus one, in
+  units of the whole stage's activations; :func:`in_flight`);
+* ``sum(microbatches) * mb == batch``, every ``microbatches[r] >= 1``;
+* interleaved: ``k * v`` divides the number of layers, each stage holds exactly its chunks,
+  and ``m % k == 0``.
+
+Step time (:func:`evaluate_pipeline`), per replica with ``k`` stages and ``m`` microbatches:
+
+* ``t_i = f_i + b_i + recompute_i``: stage ``i``'s forward + backward (+ remat recomputation)
+  seconds per microbatch, summed over its layers;
+* ``c_h`` for each hop ``h`` between consecutive layers on different stages (``k - 1`` hops;
+  interleaved ``k v - 1``): sending the boundary activation forward and its gradient back,
+  ``2 * link.time(boundary_bytes(last layer before the hop) * mb)`` on the link between the
+  two stages (:func:`stage_link`);
+* GPipe and 1F1B: ``T_r = sum(t) + sum(c) + (m - 1) * max(max(t), max(c, default=0))``;
+* interleaved with ``v`` chunks: ``T_r = (sum(t) + sum(c)) / v + (m - 1) * max(max(t),
+  max(c, default=0))`` (the pipeline fills and drains one chunk at a time);
+* gradient synchronisation across replicas (``R > 1``), not overlapped
+  (:func:`sync_s`): every layer's gradient is ring all-reduced across the replicas, one layer
+  after another; a device of replica ``r`` holds ``gradient_bytes / d_r(layer)`` of it
+  (``d_r``: the devices of the replica's stage holding the layer) and the busiest replica sets
+  the pace: ``2 (R - 1) / R * max_r sigma_r / bandwidth + 2 (R - 1) * n_layers * latency``
+  with ``sigma_r = sum_layers gradient_bytes / d_r(layer)``, on the plan's :func:`sync_link`.
+  (Equal to the per-layer ``2 (R - 1) / R * gradient_bytes / d / bandwidth + 2 (R - 1) *
+  latency`` summed over layers whenever the replicas hold each layer on equally many devices;
+  with unequal replicas it lets each replica's devices stream their shards at their own pace
+  instead of waiting, layer by layer, for the smallest holder. Both the busiest replica and
+  the plan-wide link keep the stage planner's search separable per replica.)
+* the update: ``max`` over all stages of the sum of their layers' ``update_s``.
+
+``step_time = max_r T_r + sync + update``. The cost objective (``objective="cost"``) is
+``step_time * sum(devices used * price_per_hour) / 3600`` dollars per step, subject to
+``batch / step_time >= min_throughput``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = [
+    "REMATS",
+    "SCHEDULES",
+    "DeviceGroup",
+    "LayerKind",
+    "LayerOption",
+    "Link",
+    "PipelineEvaluation",
+    "PipelinePlan",
+    "PipelineProblem",
+    "Replica",
+    "StagePlacement",
+    "check_pipeline",
+    "evaluate_pipeline",
+    "in_flight",
+    "stage_link",
+    "sync_link",
+    "sync_s",
+]
+
+Remat = Literal["none", "selective", "full"]
+Schedule = Literal["gpipe", "1f1b", "interleaved"]
+REMATS: tuple[Remat, ...] = ("none", "selective", "full")
+SCHEDULES: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved")
+
+
+@dataclass(frozen=True)
+class Link:
+    """A per-device link: ``time(n) = latency_s + n / bandwidth_bytes_per_s``."""
+
+    bandwidth_bytes_per_s: float
+    latency_s: float
+
+    def time_s(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bandwidth_bytes_per_s
+
+
+@dataclass(frozen=True)
+class DeviceGroup:
+    """The devices of one type.
+
+    Attributes:
+      name: the device type (``a100-80g``).
+      count: devices.
+      devices_per_node: devices per node.
+      memory_bytes: usable bytes per device (headroom already taken off).
+      price_per_hour: price of one device-hour (the cost objective).
+      intra_node: the link between two devices of one node.
+      inter_node: the per-device link between nodes.
+    """
+
+    name: str
+    count: int
+    devices_per_node: int
+    memory_bytes: float
+    price_per_hour: float
+    intra_node: Link
+    inter_node: Link
+
+
+@dataclass(frozen=True)
+class LayerOption:
+    """One layer kind on a sub-mesh of ``devices`` devices of one group (the intra-op
+    solution there). Seconds per microbatch are ``fixed + per_sample * mb``.
+
+    Attributes:
+      devices: sub-mesh size.
+      forward_s: ``(fixed, per sample)`` forward seconds.
+      backward_s: ``(fixed, per sample)`` backward seconds.
+      recompute_s: per remat policy, ``(fixed, per sample)`` extra backward seconds (the
+        recomputed forward); ``none`` is ``(0, 0)``.
+      activation_bytes: per remat policy, bytes saved for the backward pass per sample, per
+        device.
+      state_bytes: parameters, gradients and optimizer state per device.
+      update_s: the optimizer update per step.
+    """
+
+    devices: int
+    forward_s: tuple[float, float]
+    backward_s: tuple[float, float]
+    recompute_s: Mapping[str, tuple[float, float]]
+    activation_bytes: Mapping[str, float]
+    state_bytes: float
+    update_s: float
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """A repeated block (one layer fingerprint).
+
+    Attributes:
+      name: a label.
+      options: per group index, its options (distinct ``devices``, ascending).
+      boundary_bytes: the block's output activation per sample (what the next stage reads).
+      gradient_bytes: the block's parameter gradients (all-reduced across replicas).
+    """
+
+    name: str
+    options: Mapping[int, tuple[LayerOption, ...]]
+    boundary_bytes: float
+    gradient_bytes: float
+
+    def option(self, group: int, devices: int) -> LayerOption | None:
+        for o in self.options.get(group, ()):
+            if o.devices == devices:
+                return o
+        return None
+
+
+@dataclass(frozen=True)
+class PipelineProblem:
+    """Everything the stage planner decides over.
+
+    Attributes:
+      kinds: the layer kinds.
+      layers: the kind index of each layer, in order.
+      groups: the device groups.
+      between_groups: the per-device link between devices of different groups.
+      batch: the global batch in samples.
+      microbatch_sizes: candidate microbatch sizes (each divides ``batch``).
+      schedules: schedules to consider.
+      remats: remat policies to consider.
+      chunks: interleaving depths ``v >= 2`` to consider for ``interleaved``.
+      max_stages: most stages per replica (0: as many as layers).
+      objective: ``time`` (step time) or ``cost`` (dollars per step, subject to
+        ``min_throughput`` samples per second).
+      min_throughput: the cost objective's floor, samples per second.
+    """
+
+    kinds: tuple[LayerKind, ...]
+    layers: tuple[int, ...]
+    groups: tuple[DeviceGroup, ...]
+    between_groups: Link
+    batch: int
+    microbatch_sizes: tuple[int, ...]
+    schedules: tuple[Schedule, ...] = ("gpipe", "1f1b", "interleaved")
+    remats: tuple[Remat, ...] = REMATS
+    chunks: tuple[int, ...] = (2,)
+    max_stages: int = 0
+    objective: Literal["time", "cost"] = "time"
+    min_throughput: float = 0.0
+
+
+@dataclass(frozen=True)
+class StagePlacement:
+    """One stage of a replica: ``layers`` (indices, ascending; contiguous except under
+    interleaving) on ``devices`` devices of group ``group``, with one remat policy."""
+
+    group: int
+    devices: int
+    layers: tuple[int, ...]
+    remat: Remat = "none"
+
+
+@dataclass(frozen=True)
+class Replica:
+    """A data-parallel copy of the model: its stages in pipeline order and its microbatch
+    count."""
+
+    stages: tuple[StagePlacement, ...]
+    microbatches: int
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """A solution: replicas, one microbatch size, one schedule (``chunks`` = ``v`` when
+    interleaved, else 1)."""
+
+    replicas: tuple[Replica, ...]
+    microbatch_size: int
+    schedule: Schedule
+    chunks: int = 1
+
+
+@dataclass(frozen=True)
+class PipelineEvaluation:
+    """The closed-form figures of a plan.
+
+    Attributes:
+      step_time_s: ``max(replica_time_s) + sync_s + update_s``.
+      replica_time_s: each replica's pipeline time.
+      sync_s: cross-replica gradient all-reduce.
+      update_s: the optimizer update (slowest stage).
+      stage_time_s: per replica, per stage, ``t_i`` (seconds per microbatch).
+      hop_time_s: per replica, per hop, ``c_h``.
+      memory_bytes: per replica, per stage, bytes per device.
+      cost_per_step: dollars per step.
+      throughput: samples per second.
+      violations: every broken constraint (empty: feasible).
+    """
+
+    step_time_s: float
+    replica_time_s: tuple[float, ...]
+    sync_s: float
+    update_s: float
+    stage_time_s: tuple[tuple[float, ...], ...]
+    hop_time_s: tuple[tuple[float, ...], ...]
+    memory_bytes: tuple[tuple[float, ...], ...]
+    cost_per_step: float
+    throughput: float
+    violations: tuple[str, ...] = field(default=())
+
+    @property
+    def feasible(self) -> bool:
+        return not self.violations
+
+
+def in_flight(schedule: Schedule, stage: int, stages: int, microbatches: int,
+              chunks: int = 1) -> float:
+    """Microbatches whose activations stage ``stage`` (0-based, of ``stages``) holds at once,
+    in units of the whole stage's activations."""
+    if schedule == "gpipe":
+        return float(microbatches)
+    if schedule == "1f1b":
+        return float(min(microbatches, stages - stage))
+    v = chunks
+    return min(microbatches * v, 2 * (stages - stage - 1) + (v - 1) * stages + 1) / v
+
+
+def stage_link(problem: PipelineProblem, a: StagePlacement, b: StagePlacement) -> Link:
+    """The link activations cross between two stages: ``between_groups`` across groups; inside
+    a group the intra-node link when both sub-meshes fit in one node together, else the
+    inter-node link."""
+    if a.group != b.group:
+        return problem.between_groups
+    g = problem.groups[a.group]
+    return g.intra_node if a.devices + b.devices <= g.devices_per_node else g.inter_node
+
+
+def sync_link(problem: PipelineProblem, plan: PipelinePlan) -> Link:
+    """The link the cross-replica gradient all-reduce runs on: ``between_groups`` when the
+    plan's stages that hold layers span more than one group; else the group's intra-node link
+    when all those stages' devices fit in one node, otherwise its inter-node link."""
+    holders = [s for r in plan.replicas for s in r.stages if s.layers]
+    groups = {s.group for s in holders}
+    if len(groups) > 1:
+        return problem.between_groups
+    g = problem.groups[holders[0].group]
+    total = sum(s.devices for s in holders)
+    return g.intra_node if total <= g.devices_per_node else g.inter_node
+
+
+def sync_s(problem: PipelineProblem, plan: PipelinePlan) -> float:
+    """The cross-replica gradient synchronisation of a structurally valid plan (the module
+    docstring): 0 with one replica."""
+    r = len(plan.replicas)
+    if r == 1:
+        return 0.0
+    grads = [problem.kinds[k].gradient_bytes for k in problem.layers]
+    sigma = 0.0
+    for replica in plan.replicas:
+        devices = {layer: s.devices for s in replica.stages for layer in s.layers}
+        sigma = max(sigma, sum(grads[layer] / devices[layer] for layer in range(len(grads))))
+    link = sync_link(problem, plan)
+    return (2 * (r - 1) / r * sigma / link.bandwidth_bytes_per_s
+            + 2 * (r - 1) * len(grads) * link.latency_s)
+
+
+def _linear(coefficients: tuple[float, float], mb: int) -> float:
+    return coefficients[0] + coefficients[1] * mb
+
+
+def check_pipeline(problem: PipelineProblem, plan: PipelinePlan) -> list[str]:
+    """Every structural violation of ``plan`` (memory is checked by :func:`evaluate_pipeline`)."""
+    out: list[str] = []
+    n = len(problem.layers)
+    mb = plan.microbatch_size
+    if plan.schedule not in problem.schedules:
+        out.append(f"schedule {plan.schedule!r} is not among {problem.schedules}")
+    v = plan.chunks if plan.schedule == "interleaved" else 1
+    if plan.schedule == "interleaved" and v not in problem.chunks:
+        out.append(f"chunks {plan.chunks} is not among {problem.chunks}")
+    if plan.schedule != "interleaved" and plan.chunks != 1:
+        out.append(f"chunks {plan.chunks} without the interleaved schedule")
+    if mb not in problem.microbatch_sizes or problem.batch % mb:
+        out.append(f"microbatch size {mb} is not a candidate dividing batch {problem.batch}")
+    if not plan.replicas:
+        out.append("no replicas")
+    if sum(r.microbatches for r in plan.replicas) * mb != problem.batch:
+        out.append(f"microbatches x {mb} do not add up to batch {problem.batch}")
+    used = [0] * len(problem.groups)
+    for ri, replica in enumerate(plan.replicas):
+        k = len(replica.stages)
+        where = f"replica {ri}"
+        if replica.microbatches < 1:
+            out.append(f"{where}: {replica.microbatches} microbatches")
+        if k == 0:
+            out.append(f"{where}: no stages")
+            continue
+        if problem.max_stages and k > problem.max_stages:
+            out.append(f"{where}: {k} stages > max_stages {problem.max_stages}")
+        order = _layer_order(replica, v)
+        if order != list(range(n)):
+            out.append(f"{where}: stages do not cover layers 0..{n - 1} in pipeline order")
+        if v > 1:
+            if n % (k * v):
+                out.append(f"{where}: {k} stages x {v} chunks do not divide {n} layers")
+            elif replica.microbatches % k:
+                out.append(f"{where}: {replica.microbatches} microbatches not a multiple of "
+                           f"{k} stages (interleaved)")
+            elif order == list(range(n)):
+                size = n // (k * v)
+                for i, stage in enumerate(replica.stages):
+                    want = tuple(j for c in range(v) for j in
+                                 range((i + c * k) * size, (i + c * k + 1) * size))
+                    if stage.layers != want:
+                        out.append(f"{where}, stage {i}: layers {stage.layers} are not its "
+                                   f"chunks {want}")
+        for si, stage in enumerate(replica.stages):
+            if not 0 <= stage.group < len(problem.groups):
+                out.append(f"{where}, stage {si}: no group {stage.group}")
+                continue
+            used[stage.group] += stage.devices
+            if stage.remat not in problem.remats:
+                out.append(f"{where}, stage {si}: remat {stage.remat!r} not allowed")
+            for layer in stage.layers:
+                if not 0 <= layer < n:
+                    continue
+                if problem.kinds[problem.layers[layer]].option(stage.group, stage.devices) is None:
+                    out.append(f"{where}, stage {si}: layer {layer} has no option on "
+                               f"{stage.devices} x {problem.groups[stage.group].name}")
+    for g, group in enumerate(problem.groups):
+        if used[g] > group.count:
+            out.append(f"group {group.name}: {used[g]} devices used > {group.count}")
+    return out
+
+
+def _layer_order(replica: Replica, chunks: int) -> list[int]:
+    """The layers in the order a microbatch's forward pass visits them."""
+    if chunks == 1:
+        return [layer for stage in replica.stages for layer in stage.layers]
+    k = len(replica.stages)
+    per = [len(s.layers) // chunks if len(s.layers) % chunks == 0 else -1
+           for s in replica.stages]
+    if any(p <= 0 for p in per) or len(set(per)) != 1:
+        return []
+    size = per[0]
+    return [layer for c in range(chunks) for i in range(k)
+            for layer in replica.stages[i].layers[c * size:(c + 1) * size]]
+
+
+def evaluate_pipeline(problem: PipelineProblem, plan: PipelinePlan) -> PipelineEvaluation:
+    """The closed-form step time, memory and cost of ``plan`` (the module docstring), with
+    every violation. Structural violations leave the figures ``inf``."""
+    violations = check_pipeline(problem, plan)
+    inf = math.inf
+    if violations:
+        return PipelineEvaluation(inf, (), inf, inf, (), (), (), inf, 0.0, tuple(violations))
+    mb = plan.microbatch_size
+    v = plan.chunks if plan.schedule == "interleaved" else 1
+    replica_times, stage_times, hop_times, memories = [], [], [], []
+    update = 0.0
+    for ri, replica in enumerate(plan.replicas):
+        k, m = len(replica.stages), replica.microbatches
+        t, mem = [], []
+        for i, stage in enumerate(replica.stages):
+            opts = [problem.kinds[problem.layers[layer]].option(stage.group, stage.devices)
+                    for layer in stage.layers]
+            seconds = sum(_linear(o.forward_s, mb) + _linear(o.backward_s, mb)
+                          + _linear(o.recompute_s[stage.remat], mb) for o in opts if o)
+            state = sum(o.state_bytes for o in opts if o)
+            activation = sum(o.activation_bytes[stage.remat] for o in opts if o)
+            t.append(seconds)
+            update = max(update, sum(o.update_s for o in opts if o))
+            held = state + in_flight(plan.schedule, i, k, m, v) * mb * activation
+            mem.append(held)
+            group = problem.groups[stage.group]
+            if held > group.memory_bytes:
+                violations.append(f"replica {ri}, stage {i}: {held:,.0f} bytes per device > "
+                                  f"{group.memory_bytes:,.0f} on {group.name}")
+        stage_of = {layer: i for i, s in enumerate(replica.stages) for layer in s.layers}
+        order = _layer_order(replica, v)
+        hops = []
+        for a, b in itertools.pairwise(order):
+            if stage_of[a] != stage_of[b]:
+                kind = problem.kinds[problem.layers[a]]
+                link = stage_link(problem, replica.stages[stage_of[a]],
+                                  replica.stages[stage_of[b]])
+                hops.append(2 * link.time_s(kind.boundary_bytes * mb))
+        bottleneck = max(max(t), max(hops, default=0.0))
+        replica_times.append((sum(t) + sum(hops)) / v + (m - 1) * bottleneck)
+        stage_times.append(tuple(t))
+        hop_times.append(tuple(hops))
+        memories.append(tuple(mem))
+    sync = sync_s(problem, plan)
+    step = max(replica_times) + sync + update
+    price = sum(problem.groups[s.group].price_per_hour * s.devices
+                for r in plan.replicas for s in r.stages)
+    throughput = problem.batch / step if step > 0 else inf
+    if problem.objective == "cost" and throughput < problem.min_throughput:
+        violations.append(f"throughput {throughput:,.6g} samples/s < min_throughput "
+                          f"{problem.min_throughput:,.6g}")
+    return PipelineEvaluation(
+        step_time_s=step, replica_time_s=tuple(replica_times), sync_s=sync, update_s=update,
+        stage_time_s=tuple(stage_times), hop_time_s=tuple(hop_times),
+        memory_bytes=tuple(memories), cost_per_step=step * price / 3600.0,
+        throughput=throughput, violations=tuple(violations))
