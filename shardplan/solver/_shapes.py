@@ -1,0 +1,548 @@
+"""Replica shapes: the stage lists one replica can take, reduced to the Pareto-optimal ones.
+
+A *shape* is one replica's stages without its microbatch count. What the rest of the plan sees
+of it is :class:`Shape`'s figures: the devices it uses per group, its pipeline time
+``fill_s + (m - 1) * bottleneck_s`` for ``m`` microbatches, the most microbatches its memory
+holds (``cap``), the microbatch granularity (``step``: ``k`` under interleaving), its gradient
+bytes per device (``sigma``, :func:`~shardplan.solver.pipeline.sync_s`) and its slowest
+stage's update. :func:`replica_shapes` enumerates shapes with a dynamic program over the layers
+(backward, so that a stage knows its distance from the last stage, which sets its 1F1B
+in-flight count) or, interleaved, over the stages, and keeps a label only when no other label
+of the same state is at least as good in every figure (the dominance rules are proved in
+:mod:`shardplan.solver.stages`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from shardplan.solver.pipeline import Link, PipelineProblem, Schedule, StagePlacement, stage_link
+
+__all__ = ["PlanBound", "Shape", "replica_shapes", "shape_dominates", "shape_of",
+           "uniform_shapes"]
+
+# A label: (usage, seconds, bottleneck, cap, sigma, update, stages, parent, stage).
+# ``seconds`` is ``sum t + sum c``; ``stage`` is ``(type index, layers)``.
+Label = tuple
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One replica's stages and the figures the plan search needs.
+
+    Attributes:
+      stages: the stages, pipeline order.
+      usage: devices per group.
+      fill_s: ``(sum t + sum c) / v``: the pipeline time of one microbatch.
+      bottleneck_s: ``max(max t, max c)``: each further microbatch.
+      cap: the most microbatches (at most the step's) every stage's memory holds.
+      step: the microbatch count must be a multiple of this (stages under interleaving).
+      sigma: ``sum_layers gradient_bytes / devices``.
+      update_s: the slowest stage's optimizer update.
+    """
+
+    stages: tuple[StagePlacement, ...]
+    usage: tuple[int, ...]
+    fill_s: float
+    bottleneck_s: float
+    cap: int
+    step: int
+    sigma: float
+    update_s: float
+
+    def time_s(self, microbatches: int) -> float:
+        """The closed-form pipeline time with ``microbatches`` microbatches."""
+        return self.fill_s + (microbatches - 1) * self.bottleneck_s
+
+
+@dataclass(frozen=True)
+class PlanBound:
+    """What a useful shape must beat: the best plan so far (rule B in
+    :mod:`shardplan.solver.stages`).
+
+    Attributes:
+      best: the best objective so far (``inf``: none yet).
+      cost: whether the objective is dollars per step (else seconds).
+      batch: the global batch.
+      min_throughput: the cost objective's floor (0: none).
+      total: microbatches ``M``.
+      layers: layers of the model.
+      between: the link between groups.
+      intra: per group, its intra-node link.
+      inter: per group, its inter-node link.
+      per_node: per group, devices per node.
+      prices: per group, price per device-hour.
+      safe: per group, whether using fewer of its devices can never make the gradient
+        synchronisation slower (its intra-node link is no slower than its inter-node one).
+    """
+
+    best: float
+    cost: bool
+    batch: int
+    min_throughput: float
+    total: int
+    layers: int
+    between: Link
+    intra: tuple[Link, ...]
+    inter: tuple[Link, ...]
+    per_node: tuple[int, ...]
+    prices: tuple[float, ...]
+    safe: tuple[bool, ...]
+
+    def link(self, usage: Sequence[int]) -> Link:
+        """The synchronisation link of a plan using ``usage`` devices per group
+        (:func:`~shardplan.solver.pipeline.sync_link`)."""
+        used = [g for g, u in enumerate(usage) if u]
+        if len(used) != 1:
+            return self.between
+        g = used[0]
+        return self.intra[g] if usage[g] <= self.per_node[g] else self.inter[g]
+
+    def sync_floor(self, replicas: int, sigma: float, usage: Sequence[int]) -> float:
+        """The least gradient synchronisation of a plan with at least ``replicas`` replicas,
+        largest sigma at least ``sigma`` and at least ``usage`` devices per group: a plan
+        spanning groups stays on the link between them, and one past a node stays off the
+        intra-node link."""
+        if replicas <= 1:
+            return 0.0
+        used = [g for g, u in enumerate(usage) if u]
+        if len(used) > 1:
+            links = [self.between]
+        elif used:
+            g = used[0]
+            links = [self.between, self.inter[g]]
+            if usage[g] <= self.per_node[g]:
+                links.append(self.intra[g])
+        else:
+            links = [self.between, *self.intra, *self.inter]
+        return min(2 * (replicas - 1) / replicas * sigma / link.bandwidth_bytes_per_s
+                   + 2 * (replicas - 1) * self.layers * link.latency_s for link in links)
+
+    def too_slow(self, step_s: float) -> bool:
+        """Whether a step this long misses the throughput floor."""
+        return self.min_throughput > 0 and step_s > 0 and self.batch / step_s < self.min_throughput
+
+    def price(self, usage: Sequence[int]) -> float:
+        """Dollars per hour of ``usage`` devices per group."""
+        return sum(u * p for u, p in zip(usage, self.prices, strict=True))
+
+    def value(self, step_s: float, price_per_hour: float) -> float:
+        """The objective of a step this long at this price."""
+        return step_s * price_per_hour / 3600.0 if self.cost else step_s
+
+    def hopeless(self, fill_s: float, bottleneck_s: float, cap: int, step: int, sigma: float,
+                 update_s: float, usage: Sequence[int]) -> bool:
+        """Whether no plan with a replica at least this slow, memory-bound, synchronisation-
+        and update-heavy and large (every figure can only grow as stages are added) beats
+        :attr:`best`: alone (``R = 1``) it runs all ``M`` microbatches; with others the
+        synchronisation of two replicas on the fastest link is the least it adds."""
+        alone = (fill_s + (self.total - 1) * bottleneck_s
+                 if cap >= self.total and self.total % step == 0 else math.inf)
+        shared = fill_s + self.sync_floor(2, sigma, usage) if self.total >= 2 else math.inf
+        step_s = min(alone, shared) + update_s
+        if step_s == math.inf or self.too_slow(step_s):
+            return True
+        return self.value(step_s, self.price(usage)) >= self.best
+
+
+def _usage_le(a: Sequence[int], b: Sequence[int], safe: Sequence[bool]) -> bool:
+    for x, y, s in zip(a, b, safe, strict=True):
+        if x > y or (x != y and not s) or (x == 0) != (y == 0):
+            return False
+    return True
+
+
+def shape_dominates(a: Shape, b: Shape, safe: Sequence[bool]) -> bool:
+    """Whether ``a`` can replace ``b`` in every plan without making it worse (rule S)."""
+    return (a.fill_s <= b.fill_s and a.bottleneck_s <= b.bottleneck_s and a.cap >= b.cap
+            and b.step % a.step == 0 and a.sigma <= b.sigma and a.update_s <= b.update_s
+            and _usage_le(a.usage, b.usage, safe))
+
+
+class _Types:
+    """Stage types (group, devices, remat) and exact per-type sums over layer sequences."""
+
+    def __init__(self, problem: PipelineProblem, mb: int) -> None:
+        self.problem, self.mb = problem, mb
+        self.types: list[tuple[int, int, str]] = []
+        for g, group in enumerate(problem.groups):
+            sizes = sorted({o.devices for k in problem.kinds for o in k.options.get(g, ())})
+            self.types.extend((g, d, r) for d in sizes if d <= group.count
+                              for r in problem.remats)
+        self.index = {t: i for i, t in enumerate(self.types)}
+        # A stage's hop class: for every sub-mesh size of its group, whether a neighbour of
+        # that size shares a node with it (stage_link). Equal classes, equal hop costs.
+        by_group = {g: sorted({d for gg, d, _ in self.types if gg == g})
+                    for g in range(len(problem.groups))}
+        self.position = {(g, d): i for g, ds in by_group.items() for i, d in enumerate(ds)}
+        self.hop_class = {(g, d): (g, tuple(d + e <= problem.groups[g].devices_per_node
+                                            for e in by_group[g]))
+                          for g, ds in by_group.items() for d in ds}
+        self._hops: dict[tuple, float] = {}
+        # per type, per layer: (seconds, state, activation, update, gradient / devices)
+        self.per_layer: list[list[tuple[float, ...] | None]] = []
+        for g, d, r in self.types:
+            row: list[tuple[float, ...] | None] = []
+            for k in problem.layers:
+                kind = problem.kinds[k]
+                o = kind.option(g, d)
+                if o is None:
+                    row.append(None)
+                    continue
+                t = (o.forward_s[0] + o.forward_s[1] * mb) + (o.backward_s[0] + o.backward_s[1]
+                                                              * mb)
+                t += o.recompute_s[r][0] + o.recompute_s[r][1] * mb
+                row.append((t, o.state_bytes, o.activation_bytes[r], o.update_s,
+                            kind.gradient_bytes / d))
+            self.per_layer.append(row)
+
+    def hop(self, g: int, d: int, cls: tuple, last: int) -> float:
+        """Both transfers between a stage on ``d`` devices of group ``g`` and a neighbour of
+        hop class ``cls`` after layer ``last`` (:func:`~shardplan.solver.pipeline.stage_link`)."""
+        key = (g, d, cls, last)
+        if key not in self._hops:
+            problem = self.problem
+            if g != cls[0]:
+                link = problem.between_groups
+            else:
+                group = problem.groups[g]
+                link = (group.intra_node if cls[1][self.position[g, d]] else group.inter_node)
+            bytes_ = problem.kinds[problem.layers[last]].boundary_bytes * self.mb
+            self._hops[key] = 2 * link.time_s(bytes_)
+        return self._hops[key]
+
+    def sums(self, ti: int, layers: Sequence[int]) -> tuple[float, ...] | None:
+        """``(seconds, state, activation, update, sigma)`` of type ``ti`` over ``layers`` in
+        order (the order :func:`~shardplan.solver.pipeline.evaluate_pipeline` sums in)."""
+        t = st = ac = up = sg = 0.0
+        row = self.per_layer[ti]
+        for layer in layers:
+            v = row[layer]
+            if v is None:
+                return None
+            t += v[0]
+            st += v[1]
+            ac += v[2]
+            up += v[3]
+            sg += v[4]
+        return t, st, ac, up, sg
+
+    def runs(self, ti: int, mem: float) -> list[list[tuple[float, ...]]]:
+        """Per first layer ``i``, the sums of ``[i, i + L)`` for ``L = 1, 2, ...`` while the
+        stage fits in memory with one microbatch in flight (no schedule holds fewer)."""
+        n = len(self.problem.layers)
+        row, layers, mb = self.per_layer[ti], self.problem.layers, self.mb
+        out: list[list[tuple[float, ...]]] = [[] for _ in range(n + 1)]
+        for i in range(n - 1, -1, -1):
+            nxt = out[i + 1]
+            # Start i + 1 stopped at layer i + 1 + L; if the L + 1 kinds from i are those
+            # from i + 1, start i has the same sums and stops at the same length.
+            size = len(nxt)
+            if i + 1 < n and i + 1 + size < n and layers[i:i + size + 1] == layers[
+                    i + 1:i + size + 2]:
+                out[i] = nxt
+                continue
+            t = st = ac = up = sg = 0.0
+            acc: list[tuple[float, ...]] = []
+            for j in range(i, n):
+                v = row[j]
+                if v is None:
+                    break
+                t += v[0]
+                st += v[1]
+                ac += v[2]
+                up += v[3]
+                sg += v[4]
+                if st + 1.0 * mb * ac > mem:
+                    break
+                acc.append((t, st, ac, up, sg))
+            out[i] = acc
+        return out
+
+
+def _cap(fits: Callable[[int], bool], lo: int, hi: int) -> int:
+    """The largest ``m`` in ``[lo, hi]`` with ``fits(m)`` (``fits`` non-increasing), else
+    ``lo - 1``."""
+    if not fits(lo):
+        return lo - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def stage_cap(schedule: Schedule, state: float, activation: float, mb: int, memory: float,
+              total: int, i: int, k: int, v: int) -> int:
+    """The most microbatches (up to ``total``) stage ``i`` of ``k`` holds in memory, exactly as
+    :func:`~shardplan.solver.pipeline.evaluate_pipeline` checks it; 0 if not even one."""
+    if schedule == "gpipe":
+        return _cap(lambda m: state + float(m) * mb * activation <= memory, 1, total)
+    if schedule == "1f1b":
+        p = k - i
+
+        def fits(m: int) -> bool:
+            return state + float(min(m, p)) * mb * activation <= memory
+
+        return total if fits(total) else _cap(fits, 1, min(total, p))
+    x = 2 * (k - i - 1) + (v - 1) * k + 1
+    return _cap(lambda m: state + min(m * v, x) / v * mb * activation <= memory, 1, total)
+
+
+def _insert(bucket: list[Label], new: Label, better: Callable[[Label, Label], bool]) -> int:
+    """Adds ``new`` to a Pareto bucket unless a label there is at least as good; 1 if added."""
+    for old in bucket:
+        if better(old, new):
+            return 0
+    bucket[:] = [old for old in bucket if not better(new, old)]
+    bucket.append(new)
+    return 1
+
+
+def replica_shapes(problem: PipelineProblem, mb: int, schedule: Schedule, v: int,
+                   bound: PlanBound) -> tuple[list[Shape], int]:
+    """The undominated replica shapes for one microbatch size, schedule and chunk count that
+    could beat ``bound.best``, and how many labels the dynamic program kept."""
+    types = _Types(problem, mb)
+    total = problem.batch // mb
+    if schedule == "interleaved" and v > 1:
+        shapes, labels = _interleaved(problem, types, schedule, v, total, bound)
+    else:  # GPipe, 1F1B, or interleaving with one chunk (contiguous stages, Megatron's count)
+        shapes, labels = _linear(problem, types, schedule, total, bound)
+    return _undominated(shapes, bound.safe), labels
+
+
+def _undominated(shapes: list[Shape], safe: Sequence[bool]) -> list[Shape]:
+    """``shapes`` less every one another dominates (rule S), in a fixed order."""
+    out: list[Shape] = []
+    for s in sorted(shapes, key=_order):
+        if not any(shape_dominates(o, s, safe) for o in out):
+            out = [o for o in out if not shape_dominates(s, o, safe)]
+            out.append(s)
+    return out
+
+
+def shape_of(problem: PipelineProblem, mb: int, schedule: Schedule, v: int,
+             stages: Sequence[StagePlacement], types: _Types | None = None) -> Shape | None:
+    """The figures of one replica's ``stages`` (``None`` if some stage lacks an option or does
+    not hold one microbatch), computed as
+    :func:`~shardplan.solver.pipeline.evaluate_pipeline` does."""
+    types = types or _Types(problem, mb)
+    index = types.index
+    total, k = problem.batch // mb, len(stages)
+    usage = [0] * len(problem.groups)
+    seconds, bott, cap, sigma, update = 0.0, 0.0, total, 0.0, 0.0
+    for i, st in enumerate(stages):
+        ti = index.get((st.group, st.devices, st.remat))
+        agg = types.sums(ti, st.layers) if ti is not None else None
+        if agg is None:
+            return None
+        t, state, act, up, sg = agg
+        usage[st.group] += st.devices
+        cap = min(cap, stage_cap(schedule, state, act, mb, problem.groups[st.group].memory_bytes,
+                                 total, i, k, v))
+        seconds, bott, sigma, update = seconds + t, max(bott, t), sigma + sg, max(update, up)
+    stage_of = {layer: i for i, st in enumerate(stages) for layer in st.layers}
+    order = ([layer for st in stages for layer in st.layers] if v == 1 else
+             [layer for c in range(v) for st in stages
+              for layer in st.layers[c * len(st.layers) // v:(c + 1) * len(st.layers) // v]])
+    for a, b in itertools.pairwise(order):
+        if stage_of[a] != stage_of[b]:
+            sa, sb = stages[stage_of[a]], stages[stage_of[b]]
+            h = _hop(problem, (sa.group, sa.devices), (sb.group, sb.devices), a, mb)
+            seconds, bott = seconds + h, max(bott, h)
+    step = k if schedule == "interleaved" and v > 1 else 1
+    cap -= cap % step
+    if cap < step:
+        return None
+    return Shape(tuple(stages), tuple(usage), seconds / v, bott, cap, step, sigma, update)
+
+
+def uniform_shapes(problem: PipelineProblem, mb: int, schedule: Schedule, v: int,
+                   safe: Sequence[bool]) -> list[Shape]:
+    """Replicas whose stages all share one (group, devices, remat) and split the layers as
+    evenly as possible (the shorter stages first): a quick first plan to bound the search."""
+    n = len(problem.layers)
+    types = _Types(problem, mb)
+    out: list[Shape] = []
+    for g, d, r in types.types:
+        for k in range(1, min(n, problem.max_stages or n, problem.groups[g].count // d) + 1):
+            if schedule == "interleaved" and v > 1:
+                if n % (k * v):
+                    continue
+                size = n // (k * v)
+                parts = [tuple(j for c in range(v)
+                               for j in range((i + c * k) * size, (i + c * k + 1) * size))
+                         for i in range(k)]
+            else:
+                q, extra = divmod(n, k)
+                edges = [0]
+                for i in range(k):
+                    edges.append(edges[-1] + q + (i >= k - extra))
+                parts = [tuple(range(a, b)) for a, b in itertools.pairwise(edges)]
+            shape = shape_of(problem, mb, schedule, v,
+                             [StagePlacement(g, d, part, r) for part in parts],  # type: ignore[arg-type]
+                             types)
+            if shape is not None:
+                out.append(shape)
+    return _undominated(out, safe)
+
+
+def _order(s: Shape) -> tuple:
+    return (sum(s.usage), s.usage, s.fill_s, s.bottleneck_s, -s.cap, s.sigma, s.update_s,
+            len(s.stages), [(p.group, p.devices, p.remat, p.layers) for p in s.stages])
+
+
+def _hop(problem: PipelineProblem, a: tuple[int, int], b: tuple[int, int], last: int,
+         mb: int) -> float:
+    link = stage_link(problem, StagePlacement(a[0], a[1], ()), StagePlacement(b[0], b[1], ()))
+    return 2 * link.time_s(problem.kinds[problem.layers[last]].boundary_bytes * mb)
+
+
+def _linear(problem: PipelineProblem, types: _Types, schedule: Schedule, total: int,
+            bound: PlanBound) -> tuple[list[Shape], int]:
+    """GPipe / 1F1B: stages of contiguous layers, built from the last one backwards."""
+    n, n_groups = len(problem.layers), len(problem.groups)
+    mems = [problem.groups[g].memory_bytes for g, _, _ in types.types]
+    runs = [types.runs(ti, mems[ti]) for ti in range(len(types.types))]
+    counts = [g.count for g in problem.groups]
+    by_position = schedule != "gpipe" or problem.max_stages > 0
+    safe = bound.safe
+
+    def better(a: Label, b: Label) -> bool:
+        return (a[1] <= b[1] and a[2] <= b[2] and a[3] >= b[3] and a[4] <= b[4]
+                and a[5] <= b[5] and (not by_position or a[6] <= b[6])
+                and _usage_le(a[0], b[0], safe))
+
+    kept = 0
+    # key (first layer, hop class of the front stage) -> labels of the stages from there on
+    buckets: dict[tuple, list[Label]] = {
+        (n, None): [((0,) * n_groups, 0.0, 0.0, total, 0.0, 0.0, 0, None, None)]}
+    for j in range(n, 0, -1):
+        for key in sorted((k for k in buckets if k[0] == j), key=repr):
+            front = key[1]
+            for lab in buckets[key]:
+                usage, sec, bott, cap, sig, upd, p = lab[:7]
+                if problem.max_stages and p >= problem.max_stages:
+                    continue
+                for ti, (g, d, _r) in enumerate(types.types):
+                    if usage[g] + d > counts[g]:
+                        continue
+                    c = types.hop(g, d, front, j - 1) if front is not None else 0.0
+                    nu = (*usage[:g], usage[g] + d, *usage[g + 1:])
+                    # Longer stages hold more bytes and take longer: stop at the first misfit.
+                    for i in range(j - 1, -1, -1):
+                        run = runs[ti][i]
+                        if len(run) < j - i:
+                            break
+                        t, st, ac, up, sg = run[j - i - 1]
+                        scap = stage_cap(schedule, st, ac, types.mb, mems[ti], total, 0,
+                                         p + 1, 1)
+                        if scap < 1:
+                            break
+                        nsec, nbott, ncap = sec + t + c, max(bott, t, c), min(cap, scap)
+                        nupd, nsig = max(upd, up), sig + sg
+                        if bound.hopeless(nsec, nbott, ncap, 1, nsig, nupd, nu):
+                            break
+                        new = (nu, nsec, nbott, ncap, nsig, nupd, p + 1, lab,
+                               (ti, tuple(range(i, j))))
+                        kept += _insert(buckets.setdefault((i, types.hop_class[g, d]), []),
+                                        new, better)
+    shapes: list[Shape] = []
+    for key, labs in buckets.items():
+        if key[0] == 0 and key[1] is not None:
+            shapes.extend(_shape(types, lab, 1, 1) for lab in labs)
+    return shapes, kept
+
+
+def _shape(types: _Types, lab: Label, v: int, step: int) -> Shape:
+    stages = []
+    node = lab
+    while node[8] is not None:
+        ti, layers = node[8]
+        g, d, r = types.types[ti]
+        stages.append(StagePlacement(g, d, layers, r))  # type: ignore[arg-type]
+        node = node[7]
+    # Linear shapes are built from the last stage backwards, so the chain runs front first.
+    ordered = tuple(stages) if v == 1 else tuple(reversed(stages))
+    return Shape(ordered, lab[0], lab[1] / v, lab[2], lab[3], step, lab[4], lab[5])
+
+
+def _interleaved(problem: PipelineProblem, types: _Types, schedule: Schedule, v: int,
+                 total: int, bound: PlanBound) -> tuple[list[Shape], int]:
+    """Interleaved: for each stage count ``k`` whose ``k v`` chunks cut the layers evenly, a
+    dynamic program over the stages front to back (the state keeps the first stage's sub-mesh
+    for the hops that wrap from the last stage to the first)."""
+    n, n_groups = len(problem.layers), len(problem.groups)
+    counts = [g.count for g in problem.groups]
+    safe = bound.safe
+    mems = [problem.groups[g].memory_bytes for g, _, _ in types.types]
+    shapes: list[Shape] = []
+    kept = 0
+
+    def better(a: Label, b: Label) -> bool:
+        return (a[1] <= b[1] and a[2] <= b[2] and a[3] >= b[3] and a[4] <= b[4]
+                and a[5] <= b[5] and _usage_le(a[0], b[0], safe))
+
+    for k in range(1, n // v + 1):
+        if n % (k * v) or (problem.max_stages and k > problem.max_stages):
+            continue
+        size = n // (k * v)
+        layers_of = [tuple(j for c in range(v) for j in range((i + c * k) * size,
+                                                             (i + c * k + 1) * size))
+                     for i in range(k)]
+        sums = [[types.sums(ti, layers_of[i]) for ti in range(len(types.types))]
+                for i in range(k)]
+        # key (hop classes of the first and the previous stage) -> labels
+        level: dict[tuple, list[Label]] = {
+            (None, None): [((0,) * n_groups, 0.0, 0.0, total, 0.0, 0.0, 0, None, None)]}
+        for i in range(k):
+            nxt: dict[tuple, list[Label]] = {}
+            for key in sorted(level, key=repr):
+                first, prev = key
+                for lab in level[key]:
+                    usage, sec, bott, cap, sig, upd = lab[:6]
+                    for ti, (g, d, _r) in enumerate(types.types):
+                        agg = sums[i][ti]
+                        if agg is None or usage[g] + d > counts[g]:
+                            continue
+                        t, st, ac, up, sg = agg
+                        scap = stage_cap(schedule, st, ac, types.mb, mems[ti], total, i, k, v)
+                        if scap < k:
+                            continue
+                        nsec, nbott = sec + t, max(bott, t)
+                        cls = types.hop_class[g, d]
+                        if prev is not None:  # v hops from stage i - 1 to stage i
+                            for c in range(v):
+                                h = types.hop(g, d, prev, ((i - 1) + c * k + 1) * size - 1)
+                                nsec += h
+                                nbott = max(nbott, h)
+                        if i == k - 1 and k > 1:  # v - 1 hops wrapping to stage 0
+                            f = first if first is not None else cls
+                            for c in range(v - 1):
+                                h = types.hop(g, d, f, ((k - 1) + c * k + 1) * size - 1)
+                                nsec += h
+                                nbott = max(nbott, h)
+                        nupd, ncap = max(upd, up), min(cap, scap)
+                        nu = (*usage[:g], usage[g] + d, *usage[g + 1:])
+                        if bound.hopeless(nsec / v, nbott, ncap - ncap % k, k, sig + sg, nupd,
+                                           nu):
+                            continue
+                        new = (nu, nsec, nbott, ncap, sig + sg, nupd, i + 1, lab,
+                               (ti, layers_of[i]))
+                        nkey = (first if first is not None else cls, cls)
+                        kept += _insert(nxt.setdefault(nkey, []), new, better)
+            level = nxt
+        for labs in level.values():
+            for lab in labs:
+                s = _shape(types, lab, v, k)
+                cap = s.cap - s.cap % k
+                if cap >= k:
+                    shapes.append(Shape(s.stages, s.usage, s.fill_s, s.bottleneck_s, cap, k,
+                                        s.sigma, s.update_s))
+    return shapes, kept

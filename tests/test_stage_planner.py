@@ -1,0 +1,300 @@
+"""The stage planner (``shardplan.solver.stages``): exact best pipeline plans.
+
+Layers: (a) the planner's objective equals a brute force over every plan on 200+ random small
+problems, infeasible ones included; (b) the same inputs give the same plan; (c) hand-made
+problems whose optimum is worked out in a comment (uneven microbatches, memory forcing 1F1B
+and remat, an interleaving win, the synchronisation term, infeasibility figures); (d) the
+replica figures the search uses agree with ``evaluate_pipeline`` on random plans.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections import Counter
+
+import pytest
+from pipeline_bruteforce import all_plans, best, count_plans, random_problem
+
+from shardplan.errors import ConfigError, InfeasibleError
+from shardplan.solver._mix import best_mix
+from shardplan.solver._shapes import replica_shapes, shape_of
+from shardplan.solver.pipeline import (
+    DeviceGroup,
+    LayerKind,
+    LayerOption,
+    Link,
+    PipelinePlan,
+    PipelineProblem,
+    Replica,
+    StagePlacement,
+    evaluate_pipeline,
+    sync_link,
+)
+from shardplan.solver.stages import PipelineInfeasibleError, _bounds, _configs, solve_pipeline
+
+FREE = Link(1.0, 0.0)  # a link whose transfers of 0 bytes cost nothing
+PLAN_LIMIT = 2000  # random problems with more plans are drawn again (keeps the brute force fast)
+
+
+def _option(devices: int = 1, seconds: float = 1.0, *, activation: float = 0.0,
+            state: float = 0.0, remat_s: float = 0.5, full_activation: float = 0.0,
+            update_s: float = 0.0) -> LayerOption:
+    """Forward + backward ``seconds`` per sample, split evenly; ``full`` remat adds
+    ``remat_s`` per sample and keeps ``full_activation`` bytes per sample."""
+    half = seconds / 2
+    return LayerOption(devices, (0.0, half), (0.0, half),
+                       {"none": (0.0, 0.0), "selective": (0.0, 0.0), "full": (0.0, remat_s)},
+                       {"none": activation, "selective": activation, "full": full_activation},
+                       state, update_s)
+
+
+def _group(name: str, count: int, *, memory: float = 100.0, per_node: int | None = None,
+           intra: Link = FREE, inter: Link = FREE) -> DeviceGroup:
+    return DeviceGroup(name, count, per_node or count, memory, 1.0, intra, inter)
+
+
+def _objective(problem: PipelineProblem) -> float:
+    try:
+        ev = solve_pipeline(problem).evaluation
+    except InfeasibleError:
+        return math.inf
+    return ev.step_time_s if problem.objective == "time" else ev.cost_per_step
+
+
+def test_matches_brute_force_on_random_problems() -> None:
+    # Both sides are evaluate_pipeline on an optimal plan; when the two optima are different
+    # plans of equal value, their sums run in different orders and may differ by an ulp, so
+    # equality is exact or within 1e-12 relative.
+    rng = random.Random(20240611)
+    seen: Counter[str] = Counter()
+    while seen["problems"] < 210:
+        problem = random_problem(rng)
+        if count_plans(problem, PLAN_LIMIT) > PLAN_LIMIT:
+            continue
+        seen["problems"] += 1
+        expected, _ = best(problem)
+        try:
+            solution = solve_pipeline(problem)
+        except InfeasibleError as err:
+            assert isinstance(err, PipelineInfeasibleError)
+            assert expected == math.inf, f"problem {seen['problems']}: planner found nothing"
+            seen["infeasible"] += 1
+            continue
+        ev = solution.evaluation
+        assert ev.feasible and ev == evaluate_pipeline(problem, solution.plan)
+        got = ev.step_time_s if problem.objective == "time" else ev.cost_per_step
+        assert got == expected or math.isclose(got, expected, rel_tol=1e-12, abs_tol=0.0), (
+            f"problem {seen['problems']}: planner {got!r}, brute force {expected!r}")
+        plan = solution.plan
+        seen[plan.schedule] += 1
+        seen["cost"] += problem.objective == "cost"
+        seen["replicas"] += len(plan.replicas) > 1
+        seen["pipelined"] += any(len(r.stages) > 1 for r in plan.replicas)
+        seen["unlike replicas"] += len({r.stages for r in plan.replicas}) > 1
+        seen["uneven"] += len({r.microbatches for r in plan.replicas}) > 1
+        seen["remat"] += any(s.remat != "none" for r in plan.replicas for s in r.stages)
+        seen["groups"] += len({s.group for r in plan.replicas for s in r.stages}) > 1
+    # The draws must exercise what the planner decides, not only trivial plans.
+    for what, least in (("infeasible", 20), ("gpipe", 10), ("1f1b", 10), ("interleaved", 10),
+                        ("cost", 10), ("replicas", 30), ("pipelined", 10),
+                        ("unlike replicas", 10), ("uneven", 5), ("remat", 20), ("groups", 10)):
+        assert seen[what] >= least, (what, seen)
+
+
+def test_same_inputs_same_plan() -> None:
+    rng = random.Random(7)
+    problems = [random_problem(rng) for _ in range(40)]
+    for problem in problems:
+        try:
+            first = solve_pipeline(problem)
+        except InfeasibleError:
+            continue
+        second = solve_pipeline(problem)
+        assert first.plan == second.plan and first.evaluation == second.evaluation
+
+
+def test_fast_group_takes_more_microbatches() -> None:
+    # One layer; a fast device (1 s per microbatch) and a slow one (2 s). Six microbatches:
+    # alone, 6 s or 12 s; together T = max(m_fast * 1, m_slow * 2) is 4 s at (4, 2). Gradients
+    # are 0 bytes on a 0-latency link, so synchronising costs nothing.
+    kind = LayerKind("block", {0: (_option(1, 1.0),), 1: (_option(1, 2.0),)}, 0.0, 0.0)
+    problem = PipelineProblem((kind,), (0,), (_group("fast", 1), _group("slow", 1)), FREE,
+                              batch=6, microbatch_sizes=(1,), schedules=("1f1b",),
+                              remats=("none",))
+    solution = solve_pipeline(problem)
+    assert solution.evaluation.step_time_s == 4.0
+    assert sorted((r.stages[0].group, r.microbatches) for r in solution.plan.replicas) == [
+        (0, 4), (1, 2)]
+
+
+def test_memory_forces_1f1b_over_gpipe() -> None:
+    # Two 1 s layers, 1 byte of activation each per microbatch, 2 devices of 2 bytes, four
+    # microbatches. GPipe holds all m microbatches: a 2-stage replica fits m <= 2, a 1-stage
+    # one m <= 1, so no GPipe plan places four. 1F1B holds min(m, k - i): two 1-stage
+    # replicas (1 in flight, 2 bytes) with 2 microbatches each take 2 + 1 * 2 = 4 s; one
+    # 2-stage replica takes 2 + 3 * 1 = 5 s.
+    kind = LayerKind("block", {0: (_option(1, 1.0, activation=1.0),)}, 0.0, 0.0)
+    problem = PipelineProblem((kind,), (0, 0), (_group("d", 2, memory=2.0),), FREE, batch=4,
+                              microbatch_sizes=(1,), schedules=("gpipe", "1f1b"),
+                              remats=("none",))
+    solution = solve_pipeline(problem)
+    assert solution.plan.schedule == "1f1b"
+    assert solution.evaluation.step_time_s == 4.0
+    gpipe_only = PipelineProblem(problem.kinds, problem.layers, problem.groups, FREE, batch=4,
+                                 microbatch_sizes=(1,), schedules=("gpipe",),
+                                 remats=("none",))
+    with pytest.raises(PipelineInfeasibleError):
+        solve_pipeline(gpipe_only)
+
+
+@pytest.mark.parametrize(("memory", "remat", "step"), [(5.0, "full", 1.5), (20.0, "none", 1.0)])
+def test_memory_forces_remat(memory: float, remat: str, step: float) -> None:
+    # One 1 s layer on one device, one microbatch. Without remat it keeps 10 bytes; full
+    # remat keeps 1 byte and recomputes for 0.5 s. 5 bytes of memory force full remat
+    # (1.5 s); 20 bytes do not (1.0 s).
+    kind = LayerKind("block", {0: (_option(1, 1.0, activation=10.0, full_activation=1.0),)},
+                     0.0, 0.0)
+    problem = PipelineProblem((kind,), (0,), (_group("d", 1, memory=memory),), FREE, batch=1,
+                              microbatch_sizes=(1,), schedules=("1f1b",),
+                              remats=("none", "full"))
+    solution = solve_pipeline(problem)
+    assert solution.plan.replicas[0].stages[0].remat == remat
+    assert solution.evaluation.step_time_s == step
+
+
+def test_interleaving_wins() -> None:
+    # Four 1 s layers, 2 devices, two microbatches; gradients 1 byte per layer on a 1 B/s
+    # intra-node link. Two 1-device replicas (4 s each) pay sync 2 * 1/2 * 4 / 1 = 4 s: 8 s.
+    # One replica: 1 stage 4 + 1 * 4 = 8 s; 2 stages of 2 layers 4 + 1 * 2 = 6 s (GPipe and
+    # 1F1B alike); interleaved with 2 stages of chunks {0, 2} and {1, 3}, (4 + 0) / 2 + 1 * 2
+    # = 4 s.
+    kind = LayerKind("block", {0: (_option(1, 1.0),)}, 0.0, 1.0)
+    problem = PipelineProblem((kind,), (0, 0, 0, 0), (_group("d", 2),), FREE, batch=2,
+                              microbatch_sizes=(1,), schedules=("gpipe", "1f1b", "interleaved"),
+                              remats=("none",), chunks=(2,))
+    solution = solve_pipeline(problem)
+    plan = solution.plan
+    assert (plan.schedule, plan.chunks) == ("interleaved", 2)
+    assert [s.layers for s in plan.replicas[0].stages] == [(0, 2), (1, 3)]
+    assert solution.evaluation.step_time_s == 4.0
+
+
+def test_sync_uses_the_busiest_replica_and_the_plan_link() -> None:
+    # The contract's synchronisation (pipeline.sync_s): replica 0 holds both 4-byte layers on
+    # 2 devices (sigma = 4/2 + 4/2 = 4), replica 1 one per device (sigma = 4 + 4 = 8). The
+    # plan's 4 devices fit one 4-device node: the intra-node link (2 B/s, 0.5 s latency).
+    # sync = 2 (2 - 1) / 2 * 8 / 2 + 2 (2 - 1) * 2 layers * 0.5 = 4 + 2 = 6 s.
+    intra = Link(2.0, 0.5)
+    kind = LayerKind("block", {0: (_option(1), _option(2))}, 0.0, 4.0)
+    problem = PipelineProblem((kind,), (0, 0), (_group("d", 4, intra=intra, inter=FREE),),
+                              FREE, batch=2, microbatch_sizes=(1,), remats=("none",))
+    plan = PipelinePlan((Replica((StagePlacement(0, 2, (0, 1)),), 1),
+                         Replica((StagePlacement(0, 1, (0,)), StagePlacement(0, 1, (1,))), 1)),
+                        1, "1f1b")
+    assert sync_link(problem, plan) == intra
+    assert evaluate_pipeline(problem, plan).sync_s == 6.0
+
+
+def test_infeasible_reports_memory_and_device_figures() -> None:
+    # One layer: 12 bytes of state on 1 device or 6 on 2, plus 1 byte of activation. Group a
+    # (10 bytes per device) needs 2 devices and has 1; group b (3 bytes) cannot hold it.
+    # Floors: a min(13, 7) = 7 bytes, b 13 bytes.
+    kind = LayerKind("block", {0: (_option(1, activation=1.0, state=12.0),
+                                   _option(2, activation=1.0, state=6.0)),
+                               1: (_option(1, activation=1.0, state=12.0),)}, 0.0, 0.0)
+    problem = PipelineProblem((kind,), (0,), (_group("a", 1, memory=10.0),
+                                              _group("b", 1, memory=3.0)), FREE, batch=1,
+                              microbatch_sizes=(1,), remats=("none",))
+    with pytest.raises(PipelineInfeasibleError) as info:
+        solve_pipeline(problem)
+    report = info.value.report
+    assert report.memory_floor_bytes == (7.0, 13.0)
+    assert report.min_devices == (2, None)
+    assert report.devices == (1, 1)
+    message = str(info.value)
+    assert "the model fits on 2 x a alone (there are 1)" in message
+    assert "no number of b alone holds the model" in message
+    assert "7 bytes per device" in message and "fix:" in message
+
+
+def test_negative_price_is_rejected() -> None:
+    kind = LayerKind("block", {0: (_option(1),)}, 0.0, 0.0)
+    group = DeviceGroup("d", 1, 1, 10.0, -1.0, FREE, FREE)
+    problem = PipelineProblem((kind,), (0,), (group,), FREE, batch=1, microbatch_sizes=(1,),
+                              objective="cost")
+    with pytest.raises(ConfigError, match="price"):
+        solve_pipeline(problem)
+
+
+def test_replica_figures_match_the_evaluator() -> None:
+    # What the search compares (T(m), memory cap) is what evaluate_pipeline computes.
+    rng = random.Random(3)
+    checked = 0
+    while checked < 300:
+        problem = random_problem(rng)
+        if count_plans(problem, PLAN_LIMIT) > PLAN_LIMIT:
+            continue
+        for plan in itertools.islice(all_plans(problem), 0, None, 7):
+            ev = evaluate_pipeline(problem, plan)
+            v = plan.chunks if plan.schedule == "interleaved" else 1
+            for r, replica in enumerate(plan.replicas):
+                shape = shape_of(problem, plan.microbatch_size, plan.schedule, v,
+                                 replica.stages)
+                fits = all(not vi.startswith(f"replica {r}, ") for vi in ev.violations)
+                if shape is None:
+                    assert not fits
+                    continue
+                assert (replica.microbatches <= shape.cap) == fits
+                assert math.isclose(shape.time_s(replica.microbatches), ev.replica_time_s[r],
+                                    rel_tol=1e-12)
+                checked += 1
+
+
+def _gpt_like() -> PipelineProblem:
+    """An embedding, six identical blocks and a head on 6 fast and 4 slow devices (4 per
+    node): TP-style options on 1-8 devices with a 10 % loss per doubling, three remats."""
+    def options(speed: float, work: float, state: float, act: float) -> tuple[LayerOption, ...]:
+        out = []
+        for d in (1, 2, 4, 8):
+            t = work / (speed * d * 0.9 ** (d.bit_length() - 1))
+            out.append(LayerOption(
+                d, (1e-3, t / 3), (2e-3, 2 * t / 3),
+                {"none": (0.0, 0.0), "selective": (0.0, 0.1 * t), "full": (0.0, t / 3)},
+                {"none": act / d, "selective": 0.4 * act / d, "full": 0.1 * act},
+                state / d, 0.01 * state / d))
+        return tuple(out)
+
+    def kind(name: str, work: float, state: float, act: float, boundary: float,
+             grads: float) -> LayerKind:
+        return LayerKind(name, {0: options(3.0, work, state, act),
+                                1: options(1.0, work, state, act)}, boundary, grads)
+
+    groups = (DeviceGroup("fast", 6, 4, 40.0, 3.0, Link(100.0, 1e-5), Link(10.0, 1e-4)),
+              DeviceGroup("slow", 4, 4, 25.0, 1.0, Link(100.0, 1e-5), Link(10.0, 1e-4)))
+    kinds = (kind("block", 1.0, 20.0, 6.0, 2.0, 8.0), kind("embed", 0.2, 10.0, 1.0, 2.0, 4.0),
+             kind("head", 0.5, 10.0, 3.0, 0.5, 4.0))
+    return PipelineProblem(kinds, (1, 0, 0, 0, 0, 0, 0, 2), groups, Link(5.0, 1e-4), batch=16,
+                           microbatch_sizes=(1, 2, 4), chunks=(2,))
+
+
+def test_bounds_keep_the_optimum_on_a_larger_problem() -> None:
+    # Beyond the brute force: the planner (quick first plan, configurations best first, every
+    # bound from the best plan so far) against the same search with no bound at all.
+    problem = _gpt_like()
+    solution = solve_pipeline(problem)
+    bound_for = _bounds(problem)
+    unbounded = math.inf
+    for mb, schedule, v in _configs(problem):
+        bound = bound_for(mb, math.inf)
+        shapes, _ = replica_shapes(problem, mb, schedule, v, bound)
+        mix = best_mix(problem, shapes, bound) if shapes else None
+        if mix is not None:
+            unbounded = min(unbounded, mix.value)
+    step = solution.evaluation.step_time_s
+    assert step == unbounded or math.isclose(step, unbounded, rel_tol=1e-12)
+    # The optimum pipelines the model over unequal sub-meshes of the fast group.
+    (replica,) = solution.plan.replicas
+    assert sorted(s.devices for s in replica.stages) == [2, 4]
+    assert solve_pipeline(problem).plan == solution.plan
