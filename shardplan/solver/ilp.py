@@ -296,6 +296,8 @@ def _add_cost_cap(
 
 
 # --------------------------------------------------------------------------- LP first
+# (The module passes 600 lines with the memory cuts' copy terms; the LP-first path below is
+# self-contained and is the piece to move to its own module next.)
 
 LP_INTEGRALITY_TOLERANCE = 1e-6
 """A strategy boolean whose relaxed value is within this of 0 or 1 counts as integral."""
