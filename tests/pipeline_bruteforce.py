@@ -148,17 +148,31 @@ def best(problem: PipelineProblem) -> tuple[float, int]:
 
 
 def count_plans(problem: PipelineProblem, limit: int) -> int:
-    """Plans :func:`all_plans` yields, counting stops past ``limit`` (also when some schedule
-    has more than ``limit // 20`` replica structures)."""
-    for schedule in problem.schedules:
-        for v in (problem.chunks if schedule == "interleaved" else (1,)):
-            if _structure_count(problem, v) > limit // 20:
-                return limit + 1
-    count = 0
-    for _ in all_plans(problem):
-        count += 1
-        if count > limit:
-            break
+    """Plans :func:`all_plans` yields; past ``limit`` (plans, or ``limit // 20`` replica
+    structures for some schedule, or ``10 * limit`` replica multisets tried) it stops and
+    returns ``limit + 1``."""
+    tried = count = 0
+    for mb in problem.microbatch_sizes:
+        if problem.batch % mb:
+            continue
+        total = problem.batch // mb
+        for schedule in problem.schedules:
+            for v in (problem.chunks if schedule == "interleaved" else (1,)):
+                if _structure_count(problem, v) > limit // 20:
+                    return limit + 1
+                structures = replica_structures(problem, v)
+                usage = []
+                for st in structures:
+                    used = [0] * len(problem.groups)
+                    for stage in st:
+                        used[stage.group] += stage.devices
+                    usage.append(used)
+                for pick in _multisets(usage, [g.count for g in problem.groups], 0, total):
+                    tried += 1
+                    steps = [len(structures[i]) if v > 1 else 1 for i in pick]
+                    count += sum(1 for _ in _splits(total, steps))
+                    if count > limit or tried > 10 * limit:
+                        return limit + 1
     return count
 
 

@@ -149,6 +149,8 @@ class PlanBound:
 
 
 def _usage_le(a: Sequence[int], b: Sequence[int], safe: Sequence[bool]) -> bool:
+    """Devices per group ``a`` can stand in for ``b`` (rule S): no more anywhere, the same
+    groups used, and fewer only on safe groups."""
     for x, y, s in zip(a, b, safe, strict=True):
         if x > y or (x != y and not s) or (x == 0) != (y == 0):
             return False
