@@ -29,9 +29,11 @@ from typing import Any
 from shardplan.errors import ConfigError, ShardplanError, format_error
 from shardplan.plan.plan import (
     VOLATILE_SOLVER_SUFFIX,
+    Layout,
     MeshSpec,
     Plan,
     Predicted,
+    ReplicaSpec,
     Spec,
     Stage,
     check_schema_version,
@@ -51,8 +53,11 @@ _NO_SOURCE = "<plan JSON>"
 # Keys of each JSON object: (required, optional). Optional keys take the dataclass default.
 _PLAN_KEYS = ({"schema_version", "shardplan_version", "graph_fingerprint", "cluster_hash",
                "config_hash", "stages", "param_specs", "batch_specs", "predicted", "solver"},
-              {"constraints", "microbatches", "schedule", "notes"})
-_STAGE_KEYS = ({"index", "device_type", "mesh", "layers"}, {"remat"})
+              {"constraints", "microbatches", "schedule", "notes", "microbatch_size", "chunks",
+               "replicas", "layouts"})
+_STAGE_KEYS = ({"index", "device_type", "mesh", "layers"}, {"remat", "replica", "layout"})
+_REPLICA_KEYS = ({"stages", "microbatches"}, set[str]())
+_LAYOUT_KEYS = ({"param_specs", "batch_specs"}, set[str]())
 _MESH_KEYS = ({"axis_names", "axis_sizes", "device_ids"}, set[str]())
 _PREDICTED_KEYS = ({"step_time_s", "compute_s", "communication_s", "memory_bytes",
                     "collectives"}, set[str]())
@@ -95,6 +100,8 @@ def plan_to_dict(plan: Plan, /, *, volatile: bool = True) -> dict[str, Any]:
                      "device_ids": list(s.mesh.device_ids)},
             "layers": list(s.layers),
             "remat": s.remat,
+            "replica": s.replica,
+            "layout": s.layout,
         } for s in plan.stages],
         "param_specs": {k: {"stage": stage, "spec": _spec_json(spec)}
                         for k, (stage, spec) in plan.param_specs.items()},
@@ -104,6 +111,13 @@ def plan_to_dict(plan: Plan, /, *, volatile: bool = True) -> dict[str, Any]:
                         for k, (stage, results, operands) in plan.constraints.items()},
         "microbatches": plan.microbatches,
         "schedule": plan.schedule,
+        "microbatch_size": plan.microbatch_size,
+        "chunks": plan.chunks,
+        "replicas": [{"stages": list(r.stages), "microbatches": r.microbatches}
+                     for r in plan.replicas],
+        "layouts": {name: {"param_specs": {k: _spec_json(v) for k, v in lay.param_specs.items()},
+                           "batch_specs": {k: _spec_json(v) for k, v in lay.batch_specs.items()}}
+                    for name, lay in plan.layouts.items()},
         "predicted": {
             "step_time_s": p.step_time_s,
             "compute_s": p.compute_s,
@@ -238,7 +252,29 @@ def _stage(data: object, *, where: str) -> Stage:
     mesh = _mesh(d["mesh"], where=f"{where}.mesh")
     with _within(where):
         return Stage(d["index"], d["device_type"], mesh,
-                     tuple(_list(d["layers"], where=f"{where}.layers")), d.get("remat", "none"))
+                     tuple(_list(d["layers"], where=f"{where}.layers")), d.get("remat", "none"),
+                     d.get("replica", 0), d.get("layout", ""))
+
+
+def _replica(data: object, *, where: str) -> ReplicaSpec:
+    d = _object(data, _REPLICA_KEYS, where=where)
+    with _within(where):
+        return ReplicaSpec(tuple(_list(d["stages"], where=f"{where}.stages")),
+                           d["microbatches"])
+
+
+def _layouts(data: object, *, where: str) -> dict[str, Layout]:
+    if not isinstance(data, dict):
+        raise _fail("Expected a JSON object {layout name: {param_specs, batch_specs}}.",
+                    where=where, value=data,
+                    remedy='write e.g. {"a100-80g:model=8": {"param_specs": {}, '
+                           '"batch_specs": {}}}')
+    out = {}
+    for key, entry in data.items():
+        e = _object(entry, _LAYOUT_KEYS, where=f"{where}[{key!r}]")
+        with _within(f"{where}[{key!r}]"):
+            out[key] = Layout(e["param_specs"], e["batch_specs"])
+    return out
 
 
 def _predicted(data: object, *, where: str) -> Predicted:
@@ -284,7 +320,8 @@ def _plan_from_data(data: object) -> Plan:
         # Before the key checks: another version's keys would be reported as unknown.
         check_schema_version(data["schema_version"], made_by=data.get("shardplan_version"))
     d = _object(data, _PLAN_KEYS, where="plan")
-    defaults = {"constraints": {}, "microbatches": 1, "schedule": "none", "notes": []}
+    defaults = {"constraints": {}, "microbatches": 1, "schedule": "none", "notes": [],
+                "microbatch_size": 0, "chunks": 1, "replicas": [], "layouts": {}}
     d = {**defaults, **d}
     return Plan(
         schema_version=d["schema_version"],
@@ -299,6 +336,11 @@ def _plan_from_data(data: object) -> Plan:
         constraints=_constraints(d["constraints"], where="plan.constraints"),
         microbatches=d["microbatches"],
         schedule=d["schedule"],
+        microbatch_size=d["microbatch_size"],
+        chunks=d["chunks"],
+        replicas=tuple(_replica(r, where=f"plan.replicas[{i}]")
+                       for i, r in enumerate(_list(d["replicas"], where="plan.replicas"))),
+        layouts=_layouts(d["layouts"], where="plan.layouts"),
         predicted=_predicted(d["predicted"], where="plan.predicted"),
         solver=d["solver"],
         notes=tuple(_list(d["notes"], where="plan.notes")),

@@ -27,11 +27,24 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
-from shardplan.errors import ConfigError, PlanMismatchError, ShardplanError, format_error
+from shardplan.plan._values import (
+    FrozenMap,
+    Spec,
+    _check_float,
+    _check_int,
+    _check_ints,
+    _check_str,
+    _check_strs,
+    _config_error,
+    _freeze_json,
+    _mismatch,
+    _sequence,
+    as_spec,
+    natural_key,
+)
 
 if TYPE_CHECKING:
     import os
@@ -39,15 +52,16 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SCHEMA_VERSION", "SUPPORTED_SCHEMA_VERSIONS", "VOLATILE_SOLVER_SUFFIX", "FrozenMap",
-    "MeshSpec", "Plan", "Predicted", "Spec", "Stage", "as_spec", "check_schema_version",
-    "natural_key",
+    "Layout", "MeshSpec", "Plan", "Predicted", "ReplicaSpec", "Spec", "Stage", "as_spec",
+    "check_schema_version", "natural_key",
 ]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Version of the JSON layout :meth:`Plan.to_json` writes (``docs/plan-format.md``)."""
 
-SUPPORTED_SCHEMA_VERSIONS: tuple[int, ...] = (2,)
-"""Schema versions :meth:`Plan.from_json` reads."""
+SUPPORTED_SCHEMA_VERSIONS: tuple[int, ...] = (2, 3)
+"""Schema versions :meth:`Plan.from_json` reads (2 is 3 without the pipeline fields: a
+one-stage, one-replica plan)."""
 
 VOLATILE_SOLVER_SUFFIX = "_time_s"
 """``Plan.solver`` keys ending in this are wall-clock durations (``solve_time_s``).
@@ -56,179 +70,7 @@ They are kept in the JSON (the summary shows them) but left out of :attr:`Plan.c
 so two plans made from equal inputs have the same hash although their solve times differ.
 """
 
-Spec = tuple[tuple[str, ...], ...]
-"""A sharding: per array dimension, the mesh axes it is split over (``()``: replicated)."""
-
-_K = TypeVar("_K", str, int)
-_V = TypeVar("_V")
-
 _COLLECTIVE_FIELDS = ("bytes", "count")
-
-
-def natural_key(key: str | int) -> tuple[Any, ...]:
-    """Sort key that orders digit runs by value: ``blocks/2`` before ``blocks/10``.
-
-    Example:
-        >>> sorted(["b/10", "b/2", "a"], key=natural_key)
-        ['a', 'b/2', 'b/10']
-    """
-    if isinstance(key, int):
-        return (0, key)
-    parts = re.split(r"(\d+)", key)
-    # Digit runs compare by value, then by text ("01" vs "1") so distinct keys never tie.
-    return (1, tuple((0, int(p), p) if i % 2 else (1, 0, p) for i, p in enumerate(parts)))
-
-
-class FrozenMap(Mapping[_K, _V]):
-    """An immutable, hashable mapping whose iteration order is :func:`natural_key` order.
-
-    Example:
-        >>> m = FrozenMap({"b": 1, "a": 2})
-        >>> list(m), m == {"a": 2, "b": 1}, hash(m) == hash(FrozenMap({"a": 2, "b": 1}))
-        (['a', 'b'], True, True)
-    """
-
-    __slots__ = ("_hash", "_items")
-
-    def __init__(self, items: Mapping[_K, _V] | Iterable[tuple[_K, _V]] = ()) -> None:
-        pairs = dict(items)
-        self._items: dict[_K, _V] = dict(sorted(pairs.items(), key=lambda kv: natural_key(kv[0])))
-        self._hash: int | None = None
-
-    def __getitem__(self, key: _K) -> _V:
-        return self._items[key]
-
-    def __iter__(self) -> Iterator[_K]:
-        return iter(self._items)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __hash__(self) -> int:
-        if self._hash is None:
-            self._hash = hash(tuple(self._items.items()))
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, Mapping):
-            return dict(self._items) == dict(other)
-        return NotImplemented
-
-    def __repr__(self) -> str:
-        return f"FrozenMap({self._items!r})"
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (FrozenMap, (self._items,))
-
-
-# --------------------------------------------------------------------------- value checks
-
-
-def _config_error(what: str, *, where: str, value: object = None, remedy: str,
-                  kind: type[ShardplanError] = ConfigError) -> ShardplanError:
-    return kind(format_error(what, where=where, value=value, remedy=remedy, has_value=True))
-
-
-_mismatch = functools.partial(_config_error, kind=PlanMismatchError)
-
-
-def _check_str(value: object, *, where: str, empty_ok: bool = False) -> str:
-    if not isinstance(value, str) or (not empty_ok and not value):
-        raise _config_error("Expected a non-empty string.", where=where, value=value,
-                            remedy="write a string such as 'a100-80g' or 'blocks.0'")
-    return value
-
-
-def _check_int(value: object, *, where: str, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise _config_error(f"Expected an integer >= {minimum}.", where=where, value=value,
-                            remedy=f"write a whole number >= {minimum}")
-    return value
-
-
-def _check_float(value: object, *, where: str) -> float:
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    if not ok or not math.isfinite(float(value)) or float(value) < 0:  # type: ignore[arg-type]
-        raise _config_error("Expected a finite number >= 0.", where=where, value=value,
-                            remedy="write seconds as a non-negative finite number")
-    return float(value)  # type: ignore[arg-type]
-
-
-def _sequence(value: object, *, where: str, example: str = "[...]") -> Sequence[Any]:
-    if isinstance(value, str) or not isinstance(value, Sequence):
-        raise _config_error("Expected a list.", where=where, value=value,
-                            remedy=f"write a list such as {example}")
-    return value
-
-
-def _check_strs(value: object, *, where: str) -> tuple[str, ...]:
-    items = _sequence(value, where=where, example="['data', 'model']")
-    return tuple(_check_str(v, where=f"{where}[{i}]") for i, v in enumerate(items))
-
-
-def _check_ints(value: object, *, where: str, minimum: int) -> tuple[int, ...]:
-    items = _sequence(value, where=where, example="[2, 4]")
-    return tuple(_check_int(v, where=f"{where}[{i}]", minimum=minimum) for i, v in enumerate(items))
-
-
-def as_spec(value: object, /, *, where: str = "spec") -> Spec:
-    """Normalises a sharding to a :data:`Spec`.
-
-    Accepts the canonical form and ``PartitionSpec``-like entries: per dimension ``None`` (or
-    ``()``) for replicated, an axis name, or a sequence of axis names.
-
-    Args:
-      value: the sharding, one entry per array dimension.
-      where: the field or key path named by errors.
-
-    Returns:
-      A tuple with one tuple of axis names per dimension.
-
-    Raises:
-      ConfigError: an entry is not ``None``, a name or a sequence of names, or an axis repeats.
-
-    Example:
-        >>> as_spec((None, "model", ("data", "fsdp")))
-        ((), ('model',), ('data', 'fsdp'))
-    """
-    if isinstance(value, str) or not isinstance(value, Sequence):
-        raise _config_error(
-            "A sharding must be a sequence with one entry per array dimension.", where=where,
-            value=value, remedy="write e.g. [[\"data\"], []] (JSON) or ((\"data\",), ()) (Python)")
-    dims: list[tuple[str, ...]] = []
-    for d, entry in enumerate(value):
-        if entry is None:
-            dims.append(())
-        elif isinstance(entry, str):
-            dims.append((_check_str(entry, where=f"{where}[{d}]"),))
-        else:
-            dims.append(_check_strs(entry, where=f"{where}[{d}]"))
-    axes = [a for dim in dims for a in dim]
-    repeated = sorted({a for a in axes if axes.count(a) > 1})
-    if repeated:
-        raise _config_error(
-            f"A sharding uses mesh axis {repeated[0]!r} on more than one dimension.",
-            where=where, value=tuple(dims),
-            remedy="split each mesh axis over at most one array dimension")
-    return tuple(dims)
-
-
-def _freeze_json(value: object, *, where: str) -> object:
-    """JSON-native value -> immutable equivalent (lists -> tuples, dicts -> FrozenMap)."""
-    if value is None or isinstance(value, bool | int | str):
-        return value
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise _config_error("Non-finite numbers cannot be written to a plan.", where=where,
-                                value=value, remedy="use None for an unknown value")
-        return value
-    if isinstance(value, Mapping):
-        return FrozenMap({_check_str(k, where=f"{where} key"):
-                          _freeze_json(v, where=f"{where}.{k}") for k, v in value.items()})
-    if isinstance(value, Sequence):
-        return tuple(_freeze_json(v, where=f"{where}[{i}]") for i, v in enumerate(value))
-    raise _config_error("Expected a JSON value (None, bool, number, string, list, mapping).",
-                        where=where, value=value, remedy="convert it to a JSON-native value")
 
 
 # --------------------------------------------------------------------------- data types
@@ -296,12 +138,16 @@ class Stage:
     """One pipeline stage: an SPMD program on a sub-mesh of one device type.
 
     Attributes:
-      index: position in :attr:`Plan.stages` (``0 .. n-1``, in pipeline order).
+      index: position in :attr:`Plan.stages` (``0 .. n-1``; a replica's stages in pipeline
+        order, replica after replica).
       device_type: catalog name of the stage's devices, e.g. ``"a100-80g"``.
       mesh: the stage's mesh.
       layers: names of the op graph's layers the stage runs, in order (``"pre"``, ``"blocks.0"``,
-        ..., ``"post"``).
-      remat: rematerialisation policy; ``"none"`` keeps every activation.
+        ..., ``"post"``); under the interleaved schedule, its chunks' layers in order.
+      remat: rematerialisation policy (``"none"``, ``"selective"``, ``"full"``).
+      replica: the data-parallel replica (:attr:`Plan.replicas`) the stage belongs to.
+      layout: the key of :attr:`Plan.layouts` whose shardings the stage uses; ``""``: the
+        plan's own :attr:`Plan.param_specs` and :attr:`Plan.batch_specs` (one-stage plans).
 
     Example:
         >>> Stage(0, "cpu", MeshSpec(("data",), (2,), (0, 1)), ("pre", "blocks.0")).remat
@@ -313,6 +159,8 @@ class Stage:
     mesh: MeshSpec
     layers: tuple[str, ...]
     remat: str = "none"
+    replica: int = 0
+    layout: str = ""
 
     def __post_init__(self) -> None:
         _check_int(self.index, where="Stage.index")
@@ -324,6 +172,57 @@ class Stage:
         object.__setattr__(self, "layers",
                            _check_strs(self.layers, where=f"stages[{self.index}].layers"))
         _check_str(self.remat, where=f"stages[{self.index}].remat")
+        _check_int(self.replica, where=f"stages[{self.index}].replica")
+        _check_str(self.layout, where=f"stages[{self.index}].layout", empty_ok=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The intra-op shardings of the train step on one kind of sub-mesh (a device type and a
+    mesh shape), shared by every stage on such a sub-mesh.
+
+    Attributes:
+      param_specs: ``{state key path: spec}`` for every state leaf; a stage applies the specs of
+        the leaves its layers own (of a stacked leaf, the rows of its layers).
+      batch_specs: ``{batch key path: spec}`` of one microbatch.
+
+    Example:
+        >>> Layout({"0/w": ((), ("model",))}, {"x": ((), ())}).param_specs["0/w"]
+        ((), ('model',))
+    """
+
+    param_specs: Mapping[str, Spec]
+    batch_specs: Mapping[str, Spec]
+
+    def __post_init__(self) -> None:
+        for name in ("param_specs", "batch_specs"):
+            specs = _mapping(getattr(self, name), where=f"layout.{name}",
+                             example="{'0/w': ((), ('model',))}")
+            object.__setattr__(self, name, FrozenMap({
+                _check_str(k, where=f"layout.{name} key", empty_ok=True):
+                as_spec(v, where=f"layout.{name}[{k!r}]") for k, v in specs.items()}))
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaSpec:
+    """A data-parallel copy of the model: its stages and how many microbatches it runs.
+
+    Attributes:
+      stages: indices into :attr:`Plan.stages`, in pipeline order.
+      microbatches: microbatches the replica runs per step (faster replicas run more).
+
+    Example:
+        >>> ReplicaSpec((0, 1), 8).microbatches
+        8
+    """
+
+    stages: tuple[int, ...]
+    microbatches: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stages", _check_ints(self.stages, where="replica.stages",
+                                                       minimum=0))
+        _check_int(self.microbatches, where="replica.microbatches", minimum=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -396,12 +295,25 @@ class Plan:
         fixed). An equation path is ``"12"`` for the 13th
         top-level equation of the traced step, ``"12/3"`` for the 4th equation inside the call
         (``jit``, custom derivative) that equation makes (:attr:`shardplan.trace.Op.path`).
-      microbatches: microbatches per step (``1``: no gradient accumulation).
-      schedule: pipeline schedule, ``"none"`` for a single stage.
+      microbatches: microbatches per step, over all replicas (``1``: no gradient
+        accumulation).
+      schedule: pipeline schedule: ``"none"`` for a single stage, else ``"gpipe"``, ``"1f1b"`` or
+        ``"interleaved"``.
+      microbatch_size: samples per microbatch (``0``: the batch divided by ``microbatches``).
+      chunks: model chunks per stage under the interleaved schedule (else 1).
+      replicas: the data-parallel replicas, each with its stages and microbatch count (they
+        add up to ``microbatches``); empty: one replica of all stages.
+      layouts: the intra-op shardings the stages refer to by :attr:`Stage.layout`. In a plan
+        with layouts, :attr:`param_specs` lists each leaf on the first stage of replica 0 that
+        holds it, with that stage's spec (a view for reading; the stages' layouts are what
+        runs).
       predicted: the cost model's prediction.
       solver: the solver's report (status, objective, gap, ``solve_time_s``, ILP size, ...);
         JSON-native values only.
       notes: free-text remarks for the reader, in order.
+      timings: wall-clock seconds of the planning phases (``trace_s``, ``solve_s``, ...):
+        shown by :meth:`summary`, but neither written to the JSON nor compared, so equal
+        inputs give byte-identical plan files.
     """
 
     schema_version: int = SCHEMA_VERSION
@@ -416,16 +328,27 @@ class Plan:
         dataclasses.field(default_factory=dict))
     microbatches: int = 1
     schedule: str = "none"
+    microbatch_size: int = 0
+    chunks: int = 1
+    replicas: tuple[ReplicaSpec, ...] = ()
+    layouts: Mapping[str, Layout] = dataclasses.field(default_factory=dict)
     predicted: Predicted
     solver: Mapping[str, object]
     notes: tuple[str, ...] = ()
+    timings: Mapping[str, float] = dataclasses.field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         check_schema_version(self.schema_version)
+        object.__setattr__(self, "timings", FrozenMap(
+            {_check_str(k, where="plan.timings key"): _check_float(v, where=f"plan.timings[{k!r}]")
+             for k, v in _mapping(self.timings, where="plan.timings",
+                                  example="{'solve_s': 1.5}").items()}))
         for name in ("shardplan_version", "graph_fingerprint", "cluster_hash", "config_hash"):
             _check_str(getattr(self, name), where=f"plan.{name}", empty_ok=True)
         _check_int(self.microbatches, where="plan.microbatches", minimum=1)
         _check_str(self.schedule, where="plan.schedule")
+        _check_int(self.microbatch_size, where="plan.microbatch_size")
+        _check_int(self.chunks, where="plan.chunks", minimum=1)
         if not isinstance(self.predicted, Predicted):
             raise _config_error("plan.predicted must be a Predicted.", where="plan.predicted",
                                 value=self.predicted, remedy="pass Predicted(...)")
@@ -437,8 +360,12 @@ class Plan:
         stages = tuple(_sequence(self.stages, where="plan.stages"))
         object.__setattr__(self, "stages", stages)
         _check_stages(stages)
+        object.__setattr__(self, "layouts", _check_layouts(self.layouts, stages))
+        object.__setattr__(self, "replicas", _check_replicas(self.replicas, stages,
+                                                             self.microbatches))
         object.__setattr__(self, "param_specs", _check_param_specs(self.param_specs, stages))
-        object.__setattr__(self, "batch_specs", _check_batch_specs(self.batch_specs, stages))
+        object.__setattr__(self, "batch_specs", _check_batch_specs(
+            self.batch_specs, tuple(s for s in stages if not s.layout)))
         object.__setattr__(self, "constraints", _check_constraints(self.constraints, stages))
         devices = {d for s in stages for d in s.mesh.device_ids}
         unknown = sorted(set(self.predicted.memory_bytes) - devices)
@@ -449,6 +376,12 @@ class Plan:
 
     def __hash__(self) -> int:
         return hash(self.content_hash)
+
+    @property
+    def replica_microbatches(self) -> tuple[int, ...]:
+        """Microbatches per step of each replica."""
+        return (tuple(r.microbatches for r in self.replicas) if self.replicas
+                else (self.microbatches,))
 
     @property
     def num_devices(self) -> int:
@@ -628,6 +561,61 @@ def _check_constraints(value: object, stages: tuple[Stage, ...]
             groups.append(specs)
         out[key] = (stage, groups[0], groups[1])
     return FrozenMap(out)
+
+
+def _check_layouts(value: object, stages: tuple[Stage, ...]) -> FrozenMap[str, Layout]:
+    layouts = _mapping(value, where="plan.layouts", example="{'a100-80g:model=8': Layout(...)}")
+    for key, layout in layouts.items():
+        _check_str(key, where="plan.layouts key")
+        if not isinstance(layout, Layout):
+            raise _config_error("Expected a Layout.", where=f"plan.layouts[{key!r}]",
+                                value=layout, remedy="pass Layout(param_specs, batch_specs)")
+    for stage in stages:
+        if not stage.layout:
+            continue
+        if stage.layout not in layouts:
+            raise _mismatch(f"Stage {stage.index} uses layout {stage.layout!r}, which the plan "
+                            "does not define.", where=f"plan.stages[{stage.index}].layout",
+                            value=stage.layout, remedy=f"use one of {sorted(layouts)}")
+        layout = layouts[stage.layout]
+        for name in ("param_specs", "batch_specs"):
+            for key, spec in getattr(layout, name).items():
+                _check_axes(spec, stage, where=f"plan.layouts[{stage.layout!r}].{name}[{key!r}]")
+    return FrozenMap(dict(layouts))
+
+
+def _check_replicas(value: object, stages: tuple[Stage, ...],
+                    microbatches: int) -> tuple[ReplicaSpec, ...]:
+    replicas = tuple(_sequence(value, where="plan.replicas"))
+    if not replicas:
+        for stage in stages:
+            if stage.replica:
+                raise _mismatch(f"Stage {stage.index} is in replica {stage.replica}, but the "
+                                "plan lists no replicas.", where="plan.replicas", value=(),
+                                remedy="list the replicas, or put every stage in replica 0")
+        return ()
+    seen: list[int] = []
+    for r, replica in enumerate(replicas):
+        if not isinstance(replica, ReplicaSpec):
+            raise _config_error("Expected a ReplicaSpec.", where=f"plan.replicas[{r}]",
+                                value=replica, remedy="pass ReplicaSpec(stages, microbatches)")
+        for s in replica.stages:
+            if s >= len(stages) or stages[s].replica != r:
+                raise _mismatch(f"Replica {r} lists stage {s}, which is not a stage of replica "
+                                f"{r}.", where=f"plan.replicas[{r}].stages", value=replica.stages,
+                                remedy="list each stage in the replica its Stage.replica names")
+        seen += replica.stages
+    if sorted(seen) != list(range(len(stages))):
+        raise _mismatch("Every stage must belong to exactly one replica.",
+                        where="plan.replicas", value=[r.stages for r in replicas],
+                        remedy=f"list the stages 0 .. {len(stages) - 1} once each")
+    total = sum(r.microbatches for r in replicas)
+    if total != microbatches:
+        raise _mismatch(f"The replicas run {total} microbatches but the plan says "
+                        f"{microbatches}.", where="plan.replicas",
+                        value=[r.microbatches for r in replicas],
+                        remedy="make plan.microbatches the sum of the replicas' microbatches")
+    return replicas
 
 
 def _check_batch_specs(value: object, stages: tuple[Stage, ...]) -> FrozenMap[str, Spec]:

@@ -213,9 +213,14 @@ def _microbatches(plan: Plan) -> str:
 
 
 def _header(plan: Plan) -> list[str]:
+    replicas = (f" in {_plural(len(plan.replicas), 'replica')}" if len(plan.replicas) > 1
+                else "")
+    size = f" of {plan.microbatch_size}" if plan.microbatch_size else ""
+    chunks = f" ({plan.chunks} chunks per stage)" if plan.chunks > 1 else ""
     return [
-        f"Plan {plan.content_hash[:_HASH_CHARS]}: {_plural(len(plan.stages), 'stage')}, "
-        f"{_plural(plan.num_devices, 'device')}, {_microbatches(plan)}, schedule {plan.schedule}",
+        f"Plan {plan.content_hash[:_HASH_CHARS]}: {_plural(len(plan.stages), 'stage')}{replicas}, "
+        f"{_plural(plan.num_devices, 'device')}, {_microbatches(plan)}{size}, "
+        f"schedule {plan.schedule}{chunks}",
         f"  schema {plan.schema_version}, shardplan {plan.shardplan_version}, "
         f"graph {plan.graph_fingerprint[:_HASH_CHARS] or '-'}, "
         f"cluster {plan.cluster_hash[:_HASH_CHARS] or '-'}, "
@@ -223,7 +228,54 @@ def _header(plan: Plan) -> list[str]:
     ]
 
 
+MAX_STAGE_ROWS = 16
+"""Plans with more stages list their replicas' structure instead of every stage."""
+
+
+def _device_types(plan: Plan) -> list[str]:
+    """Per device type: devices, stages, replicas and layers (multi-stage plans)."""
+    devices: dict[str, set[int]] = {}
+    replicas: dict[str, set[int]] = {}
+    layers: dict[str, set[str]] = {}
+    stages: dict[str, int] = {}
+    for st in plan.stages:
+        devices.setdefault(st.device_type, set()).update(st.mesh.device_ids)
+        replicas.setdefault(st.device_type, set()).add(st.replica)
+        layers.setdefault(st.device_type, set()).update(st.layers)
+        stages[st.device_type] = stages.get(st.device_type, 0) + 1
+    lines = ["Device types"]
+    for name in stages:
+        lines.append(f"  {name}: {_plural(len(devices[name]), 'device')} in "
+                     f"{_plural(stages[name], 'stage')} of "
+                     f"{_plural(len(replicas[name]), 'replica')}, "
+                     f"{_plural(len(layers[name]), 'distinct layer')}")
+    return lines
+
+
+def _replicas(plan: Plan) -> list[str]:
+    """Replicas grouped by structure: per group its members, microbatches and stages."""
+    groups: dict[tuple, list[int]] = {}
+    for r, replica in enumerate(plan.replicas):
+        shape = tuple((plan.stages[i].device_type, plan.stages[i].mesh.describe(),
+                       plan.stages[i].mesh.num_devices, tuple(layer_runs(plan.stages[i].layers)),
+                       plan.stages[i].remat) for i in replica.stages)
+        groups.setdefault((shape, replica.microbatches), []).append(r)
+    lines = ["Replicas (identical ones together): stages in pipeline order"]
+    for (shape, microbatches), members in groups.items():
+        ids = compress_ids(members)
+        lines.append(f"  {'replica' if len(members) == 1 else 'replicas'} {ids} "
+                     f"({len(members)} x): {_plural(microbatches, 'microbatch', 'microbatches')}"
+                     " each")
+        for device_type, mesh, n, layers, remat in shape:
+            lead = f"    {device_type} {mesh} {_plural(n, 'device')}, remat {remat}: "
+            lines.extend(_pack(list(layers) or ["-"], lead, " " * 6))
+    return lines
+
+
 def _stages(plan: Plan) -> list[str]:
+    if len(plan.stages) > MAX_STAGE_ROWS:
+        return [f"Stages: {len(plan.stages)} (too many to list; the replicas above show their "
+                "structure, plan.stages has each one's devices)"]
     rows = [(str(s.index), s.device_type, s.mesh.describe(), compress_ids(s.mesh.device_ids),
              s.remat) for s in plan.stages]
     layers = [["layers"], *(layer_runs(s.layers) or ["-"] for s in plan.stages)]
@@ -269,7 +321,22 @@ def _spec_lines(rows: list[tuple[str, str, str, int]], *, with_stage: bool) -> l
     return lines
 
 
+def _layout_shardings(plan: Plan) -> list[str]:
+    """Parameter and batch shardings per layout (multi-stage plans)."""
+    lines = ["Shardings per layout: pattern [leaves] -> spec"]
+    for name, layout in plan.layouts.items():
+        users = [st.index for st in plan.stages if st.layout == name]
+        lines.append(f"  {name} (stages {compress_ids(users) if users else '-'})")
+        rows = _grouped(("", k, format_spec(v)) for k, v in layout.param_specs.items())
+        rows += _grouped(("", "batch: " + k, format_spec(v))
+                         for k, v in layout.batch_specs.items())
+        lines += [("  " + line) for line in _spec_lines(rows, with_stage=False)] or ["    -"]
+    return lines
+
+
 def _shardings(plan: Plan) -> list[str]:
+    if plan.layouts:
+        return _layout_shardings(plan)
     params = _grouped((str(stage), key, format_spec(spec))
                       for key, (stage, spec) in plan.param_specs.items())
     lines = ["Parameter shardings: stage  pattern [leaves] -> spec"]
@@ -322,13 +389,19 @@ def _solver(plan: Plan) -> list[str]:
     rest = [f"{k}={_format_value(v)}" for k, v in s.items() if k not in ("status", "solve_time_s")]
     lines = ["Solver"]
     lines += _pack(rest, f"  {head}: ", "    ") if rest else [f"  {head}"]
+    if plan.timings:
+        spent = [f"{k} {v:.3g} s" for k, v in plan.timings.items()]
+        lines += _pack(spent, "  planning took: ", "    ", sep="; ")
     return lines
 
 
 def plan_summary(plan: Plan, /) -> str:
     """The summary :meth:`Plan.summary` returns (see the module docstring)."""
     lines = _header(plan)
-    for section in (_stages, _shardings, _predicted, _solver):
+    sections = [_stages, _shardings, _predicted, _solver]
+    if plan.replicas:
+        sections[:0] = [_device_types, _replicas]
+    for section in sections:
         lines.append("")
         lines.extend(section(plan))
     if plan.notes:

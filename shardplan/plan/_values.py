@@ -1,0 +1,190 @@
+"""Value checks and immutable containers the plan's dataclasses share (jax-free).
+
+Every check names the field it guards (``where``) and raises a
+:class:`~shardplan.errors.ConfigError` (wrong type or range) or, through ``_mismatch``, a
+:class:`~shardplan.errors.PlanMismatchError` (fields that contradict each other).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, TypeVar
+
+from shardplan.errors import ConfigError, PlanMismatchError, ShardplanError, format_error
+
+__all__ = ["FrozenMap", "Spec", "as_spec", "natural_key"]
+
+Spec = tuple[tuple[str, ...], ...]
+"""A sharding: per array dimension, the mesh axes it is split over (``()``: replicated)."""
+
+_K = TypeVar("_K", str, int)
+_V = TypeVar("_V")
+
+
+def natural_key(key: str | int) -> tuple[Any, ...]:
+    """Sort key that orders digit runs by value: ``blocks/2`` before ``blocks/10``.
+
+    Example:
+        >>> sorted(["b/10", "b/2", "a"], key=natural_key)
+        ['a', 'b/2', 'b/10']
+    """
+    if isinstance(key, int):
+        return (0, key)
+    parts = re.split(r"(\d+)", key)
+    # Digit runs compare by value, then by text ("01" vs "1") so distinct keys never tie.
+    return (1, tuple((0, int(p), p) if i % 2 else (1, 0, p) for i, p in enumerate(parts)))
+
+
+class FrozenMap(Mapping[_K, _V]):
+    """An immutable, hashable mapping whose iteration order is :func:`natural_key` order.
+
+    Example:
+        >>> m = FrozenMap({"b": 1, "a": 2})
+        >>> list(m), m == {"a": 2, "b": 1}, hash(m) == hash(FrozenMap({"a": 2, "b": 1}))
+        (['a', 'b'], True, True)
+    """
+
+    __slots__ = ("_hash", "_items")
+
+    def __init__(self, items: Mapping[_K, _V] | Iterable[tuple[_K, _V]] = ()) -> None:
+        pairs = dict(items)
+        self._items: dict[_K, _V] = dict(sorted(pairs.items(), key=lambda kv: natural_key(kv[0])))
+        self._hash: int | None = None
+
+    def __getitem__(self, key: _K) -> _V:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[_K]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        if self._hash is None:
+            self._hash = hash(tuple(self._items.items()))
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Mapping):
+            return dict(self._items) == dict(other)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"FrozenMap({self._items!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (FrozenMap, (self._items,))
+
+
+# --------------------------------------------------------------------------- value checks
+
+
+def _config_error(what: str, *, where: str, value: object = None, remedy: str,
+                  kind: type[ShardplanError] = ConfigError) -> ShardplanError:
+    return kind(format_error(what, where=where, value=value, remedy=remedy, has_value=True))
+
+
+_mismatch = functools.partial(_config_error, kind=PlanMismatchError)
+
+
+def _check_str(value: object, *, where: str, empty_ok: bool = False) -> str:
+    if not isinstance(value, str) or (not empty_ok and not value):
+        raise _config_error("Expected a non-empty string.", where=where, value=value,
+                            remedy="write a string such as 'a100-80g' or 'blocks.0'")
+    return value
+
+
+def _check_int(value: object, *, where: str, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise _config_error(f"Expected an integer >= {minimum}.", where=where, value=value,
+                            remedy=f"write a whole number >= {minimum}")
+    return value
+
+
+def _check_float(value: object, *, where: str) -> float:
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if not ok or not math.isfinite(float(value)) or float(value) < 0:  # type: ignore[arg-type]
+        raise _config_error("Expected a finite number >= 0.", where=where, value=value,
+                            remedy="write seconds as a non-negative finite number")
+    return float(value)  # type: ignore[arg-type]
+
+
+def _sequence(value: object, *, where: str, example: str = "[...]") -> Sequence[Any]:
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise _config_error("Expected a list.", where=where, value=value,
+                            remedy=f"write a list such as {example}")
+    return value
+
+
+def _check_strs(value: object, *, where: str) -> tuple[str, ...]:
+    items = _sequence(value, where=where, example="['data', 'model']")
+    return tuple(_check_str(v, where=f"{where}[{i}]") for i, v in enumerate(items))
+
+
+def _check_ints(value: object, *, where: str, minimum: int) -> tuple[int, ...]:
+    items = _sequence(value, where=where, example="[2, 4]")
+    return tuple(_check_int(v, where=f"{where}[{i}]", minimum=minimum) for i, v in enumerate(items))
+
+
+def as_spec(value: object, /, *, where: str = "spec") -> Spec:
+    """Normalises a sharding to a :data:`Spec`.
+
+    Accepts the canonical form and ``PartitionSpec``-like entries: per dimension ``None`` (or
+    ``()``) for replicated, an axis name, or a sequence of axis names.
+
+    Args:
+      value: the sharding, one entry per array dimension.
+      where: the field or key path named by errors.
+
+    Returns:
+      A tuple with one tuple of axis names per dimension.
+
+    Raises:
+      ConfigError: an entry is not ``None``, a name or a sequence of names, or an axis repeats.
+
+    Example:
+        >>> as_spec((None, "model", ("data", "fsdp")))
+        ((), ('model',), ('data', 'fsdp'))
+    """
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise _config_error(
+            "A sharding must be a sequence with one entry per array dimension.", where=where,
+            value=value, remedy="write e.g. [[\"data\"], []] (JSON) or ((\"data\",), ()) (Python)")
+    dims: list[tuple[str, ...]] = []
+    for d, entry in enumerate(value):
+        if entry is None:
+            dims.append(())
+        elif isinstance(entry, str):
+            dims.append((_check_str(entry, where=f"{where}[{d}]"),))
+        else:
+            dims.append(_check_strs(entry, where=f"{where}[{d}]"))
+    axes = [a for dim in dims for a in dim]
+    repeated = sorted({a for a in axes if axes.count(a) > 1})
+    if repeated:
+        raise _config_error(
+            f"A sharding uses mesh axis {repeated[0]!r} on more than one dimension.",
+            where=where, value=tuple(dims),
+            remedy="split each mesh axis over at most one array dimension")
+    return tuple(dims)
+
+
+def _freeze_json(value: object, *, where: str) -> object:
+    """JSON-native value -> immutable equivalent (lists -> tuples, dicts -> FrozenMap)."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise _config_error("Non-finite numbers cannot be written to a plan.", where=where,
+                                value=value, remedy="use None for an unknown value")
+        return value
+    if isinstance(value, Mapping):
+        return FrozenMap({_check_str(k, where=f"{where} key"):
+                          _freeze_json(v, where=f"{where}.{k}") for k, v in value.items()})
+    if isinstance(value, Sequence):
+        return tuple(_freeze_json(v, where=f"{where}[{i}]") for i, v in enumerate(value))
+    raise _config_error("Expected a JSON value (None, bool, number, string, list, mapping).",
+                        where=where, value=value, remedy="convert it to a JSON-native value")
