@@ -77,3 +77,66 @@ def test_submesh_sizes() -> None:
     assert submesh_sizes(8, 8) == (1, 2, 4, 8)
     assert submesh_sizes(256, 8) == (1, 2, 4, 8, 16, 32, 64)
     assert submesh_sizes(6, 4) == (1, 2, 4)
+
+
+def test_groups_of_one_device_type_and_links_share_their_solutions(unrolled) -> None:
+    _, graph, _ = unrolled
+    group = {"device": "a100-80g", "nodes": 1, "devices_per_node": 2,
+             "intra_node": {"bandwidth_GB_s": 300.0, "latency_us": 2.0}}
+    cluster = sp.Cluster.from_dict({
+        "name": "twins", "groups": [{"name": "a", **group}, {"name": "b", **group}],
+        "between_groups": {"bandwidth_GB_s": 25.0, "latency_us": 5.0}})
+    costs = layer_costs(graph, cluster, reference_batch=BATCH, sizes={0: (1, 2), 1: (1, 2)})
+    for d in (1, 2):
+        a, b = costs.choices[(0, d)], costs.choices[(1, d)]
+        assert set(b.mesh.device_ids) <= set(cluster.groups[1].device_ids)
+        assert b.mesh.axis_sizes == a.mesh.axis_sizes
+        assert b.solution == a.solution
+        assert b.problem.mesh == b.mesh and b.problem.problem == a.problem.problem
+        assert costs.timings["per_submesh_s"][(1, d)] == 0.0
+    for kind in costs.kinds:
+        assert kind.options[1] == kind.options[0]
+
+
+def test_the_read_back_analysis_is_the_placed_analysis_of_the_solved_problem(unrolled) -> None:
+    from shardplan.planner.decode import placed_analysis
+    from shardplan.planner.layer_costs import _placed_analysis
+    from shardplan.planner.mesh import MeshSearch
+
+    _, graph, costs = unrolled
+    cluster = sp.Cluster.local(types={"a100-80g": 4, "v100-32g": 4})
+    search = MeshSearch(graph, cluster)
+    choice = costs.choices[(0, 2)]
+    got = _placed_analysis(graph, search.layout(choice.mesh), choice.mesh,
+                           choice.solution.assignment, search.facts.rules)
+    want = placed_analysis(graph, choice.problem, choice.solution, reduce_scatter=False)
+    assert (got.specs, got.op_axes, got.collectives) == (want.specs, want.op_axes,
+                                                         want.collectives)
+
+
+def test_timings_split_the_work(unrolled) -> None:
+    _, _, costs = unrolled
+    t = costs.timings
+    assert {"facts_s", "layout_s", "relaxation_build_s", "price_s", "solve_s", "readback_s",
+            "total_s"} <= set(t)
+    assert set(t["per_submesh_s"]) == set(costs.choices)
+    assert t["fallbacks"] == 0
+
+
+def test_sizes_on_which_no_layer_fits_are_skipped(unrolled) -> None:
+    # Devices of two thirds of the lightest layer's static bytes: one device holds no layer.
+    from shardplan.cluster import load_device
+    from shardplan.planner.layer_costs import _state_bytes
+
+    _, graph, _ = unrolled
+    state = _state_bytes(graph, lambda t: graph.tensors[t].nbytes)
+    lightest = min(state[layer.index] for layer in graph.layers if layer.kind != "shared")
+    device = load_device("a100-80g").to_dict()
+    device["memory_bytes"] = int(lightest / 1.5)
+    cluster = sp.Cluster.from_dict({"name": "small", "groups": [{
+        "device": device, "nodes": 1, "devices_per_node": 2,
+        "intra_node": {"bandwidth_GB_s": 300.0, "latency_us": 2.0}}]})
+    costs = layer_costs(graph, cluster, reference_batch=BATCH)
+    assert costs.skipped_sizes == {0: (1,)}
+    assert list(costs.choices) == [(0, 2)]
+    assert all([o.devices for o in k.options[0]] == [2] for k in costs.kinds)

@@ -133,10 +133,12 @@ def _axes_of(spec: Spec) -> set[str]:
 
 
 class _Propagator:
-    def __init__(self, graph: OpGraph, mesh: LogicalMesh) -> None:
+    def __init__(self, graph: OpGraph, mesh: LogicalMesh,
+                 rules: Sequence[OpRule] | None = None) -> None:
         self.graph = graph
         self.mesh = mesh
-        self.rules: list[OpRule] = [op_rule(graph, op) for op in graph.ops]
+        self.rules: Sequence[OpRule] = (rules if rules is not None
+                                        else [op_rule(graph, op) for op in graph.ops])
         self.specs: list[list[tuple[str, ...]]] = [[()] * len(t.shape) for t in graph.tensors]
         self.fixed = [False] * len(graph.tensors)
 
@@ -233,12 +235,16 @@ class _Propagator:
         return changed
 
     def propagate(self) -> None:
-        n = len(self.graph.ops)
+        # An op whose operands and results are all pinned can change nothing: skip it (a
+        # placed analysis pins every op's results, leaving only values built from constants).
+        fixed = self.fixed
+        ops = [op.id for op in self.graph.ops
+               if not all(fixed[t] for t in (*op.inputs, *op.outputs))]
         for _ in range(_MAX_ROUNDS):
             changed = False
-            for i in range(n):
+            for i in ops:
                 changed |= self._step(i)
-            for i in range(n - 1, -1, -1):
+            for i in reversed(ops):
                 changed |= self._step(i)
             if not changed:
                 return
@@ -248,7 +254,7 @@ def analyze_sharding(graph: OpGraph, mesh: LogicalMesh, input_specs: Mapping[int
                      output_specs: Mapping[int, Spec] | None = None, *,
                      reduce_scatter: bool = True,
                      op_factors: Mapping[int, Mapping[int, tuple[str, ...]]] | None = None,
-                     ) -> ShardingAnalysis:
+                     rules: Sequence[OpRule] | None = None) -> ShardingAnalysis:
     """Propagates shardings from the given tensors and derives communication and work.
 
     Args:
@@ -263,11 +269,12 @@ def analyze_sharding(graph: OpGraph, mesh: LogicalMesh, input_specs: Mapping[int
       op_factors: ``{op id: {factor id: mesh axes}}`` for ops whose strategy is decided (a
         solver's choice, which the runtime pins): placed as given instead of inferred from
         their operands.
+      rules: ``op_rule`` of every op, if already computed.
 
     Returns:
       The :class:`ShardingAnalysis`.
     """
-    prop = _Propagator(graph, mesh)
+    prop = _Propagator(graph, mesh, rules)
     for t, spec in input_specs.items():
         prop.specs[t] = list(spec)
         prop.fixed[t] = True
@@ -287,6 +294,9 @@ def _place(graph: OpGraph, mesh: LogicalMesh, prop: _Propagator, *,
     op_axes: list[tuple[str, ...]] = []
     collectives: list[PredictedCollective] = []
     seen: dict[tuple[int, Spec], int] = {}
+    # reshard_steps and reduce_steps, memoised: the same specs recur op after op.
+    steps_of: dict[tuple[Spec, Spec], tuple[ReshardStep, ...]] = {}
+    reduce_of: dict[tuple[Spec, Spec, tuple[str, ...]], tuple[ReshardStep, ...]] = {}
 
     def emit(kind: CollectiveKind, axes: tuple[str, ...], tensor: int, result_spec: Spec,
              op_id: int) -> None:
@@ -311,14 +321,26 @@ def _place(graph: OpGraph, mesh: LogicalMesh, prop: _Propagator, *,
         for t, dims in zip(op.inputs, rule.operands, strict=True):
             required: Spec = tuple(tuple(a for f in factors for a in final.get(f, ()))
                                    for factors in dims)
-            _reshard(specs[t], required, t, op.id, emit)
+            if specs[t] == required:  # reshard_steps: nothing to do
+                continue
+            key = (specs[t], required)
+            if key not in steps_of:
+                steps_of[key] = reshard_steps(*key)
+            for step in steps_of[key]:
+                emit(step.kind, step.axes, t, step.result_spec, op.id)
         partial = tuple(a for f, axes in final.items() if rule.factors[f].kind == "reduce"
                         for a in axes)
         for t, dims in zip(op.outputs, rule.results, strict=True):
             natural: Spec = tuple(tuple(a for f in factors for a in final.get(f, ()))
                                   for factors in dims)
-            _reduce_partial(natural, specs[t], partial, t, op.id, emit,
-                            reduce_scatter=reduce_scatter)
+            if not partial and natural == specs[t]:  # reduce_steps: nothing to do
+                continue
+            reduce_key = (natural, specs[t], partial)
+            if reduce_key not in reduce_of:
+                reduce_of[reduce_key] = reduce_steps(natural, specs[t], partial,
+                                                     reduce_scatter=reduce_scatter)
+            for step in reduce_of[reduce_key]:
+                emit(step.kind, step.axes, t, step.result_spec, op.id)
     return ShardingAnalysis(mesh=mesh, specs=tuple(specs), op_axes=tuple(op_axes),
                             collectives=tuple(collectives))
 
@@ -394,17 +416,6 @@ def reduce_steps(natural: Spec, want: Spec, partial: tuple[str, ...], *,
         steps.append(ReshardStep("all-gather", extra, tuple(
             tuple(a for a in axes if a not in extra) for axes in natural)))
     return tuple(steps)
-
-
-def _reshard(have: Spec, want: Spec, tensor: int, op_id: int, emit) -> None:
-    for step in reshard_steps(have, want):
-        emit(step.kind, step.axes, tensor, step.result_spec, op_id)
-
-
-def _reduce_partial(natural: Spec, want: Spec, partial: tuple[str, ...], tensor: int,
-                    op_id: int, emit, *, reduce_scatter: bool) -> None:
-    for step in reduce_steps(natural, want, partial, reduce_scatter=reduce_scatter):
-        emit(step.kind, step.axes, tensor, step.result_spec, op_id)
 
 
 def leaf_specs(graph: OpGraph, mesh: LogicalMesh,

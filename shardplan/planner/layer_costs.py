@@ -14,20 +14,39 @@ and the time of the collectives placed at it go to the layers the op belongs to 
 scanned body to each of its layers equally), by phase. Times and activation bytes are taken as
 proportional to the microbatch size (``per_sample``; no fixed part): the reference microbatch
 is where the sharding was chosen.
+
+The searches share their work (:class:`~shardplan.planner.mesh.MeshSearch`): the problem is
+laid out once per layout signature and priced per mesh (the same problem ``best_mesh`` builds,
+to the bit), its LP relaxation is built once per layout and re-solved from the previous basis
+(an integral optimum is the ILP's optimum; otherwise ``ilp.solve`` decides), size by size so
+that consecutive solves differ only in the device type. Groups with the same device type,
+links and node size share their solutions. The optimum is ``best_mesh``'s; where several
+shardings cost exactly the same (ops whose every strategy is free: broadcasts, iotas), the
+simplex may stop at another of them, which the read-back can price slightly differently
+(GPT-3 175B: at most 1.4e-5 relative on the tables' figures; ``benchmarks/layer_tables.py``).
+Sizes on which no layer's static bytes fit a device are skipped (``skipped_sizes``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
 
 from shardplan.cluster import Cluster
-from shardplan.cost.collectives import mesh_collective_time_s
-from shardplan.cost.compute import op_times
-from shardplan.cost.memory import buffer_tensors, saved_activation_bytes
-from shardplan.planner.decode import placed_analysis
-from shardplan.planner.mesh import MeshChoice, best_mesh
+from shardplan.cluster.mesh import LogicalMesh
+from shardplan.cost.compute import (
+    VIEW_PRIMITIVES,
+)
+from shardplan.cost.memory import saved_activation_bytes
+from shardplan.cost.rules import OpRule
+from shardplan.cost.sharding import ShardingAnalysis, analyze_sharding, leaf_specs
+from shardplan.planner.layout import IntraOpLayout, MeshCollectives, RooflineTable, StepFacts
+from shardplan.planner.mesh import MeshChoice, MeshSearch
 from shardplan.solver.pipeline import REMATS, LayerKind, LayerOption
 from shardplan.trace.graph import Layer, OpGraph
 
@@ -44,6 +63,13 @@ class LayerCosts:
       names: per pipeline layer, its name.
       reference_batch: the microbatch size the step was traced and solved at.
       choices: per (group index, devices), the intra-op solution the options come from.
+      skipped_sizes: per group index, the default sub-mesh sizes left out because no layer's
+        static bytes fit a device even when split evenly over all of them.
+      timings: seconds spent, by part: ``facts_s`` (the step's op rules, fusion, tying),
+        ``layout_s``, ``relaxation_build_s``, ``price_s``, ``solve_s`` (see
+        :class:`~shardplan.planner.mesh.MeshSearch`), ``readback_s``, ``total_s``; and
+        ``per_submesh_s``: per (group, devices) the search and readback seconds of its own
+        (0 where it reused another group's solution).
     """
 
     kinds: tuple[LayerKind, ...]
@@ -51,6 +77,8 @@ class LayerCosts:
     names: tuple[str, ...]
     reference_batch: int
     choices: Mapping[tuple[int, int], MeshChoice]
+    skipped_sizes: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    timings: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
 
 
 def submesh_sizes(count: int, devices_per_node: int, *, limit: int = 64) -> tuple[int, ...]:
@@ -72,6 +100,10 @@ def layer_costs(graph: OpGraph, cluster: Cluster, *, reference_batch: int,
     """Solves ``graph`` (traced at ``reference_batch`` samples) on every device group and
     sub-mesh size and reads the solutions back per layer.
 
+    The mesh searches share their work (:class:`~shardplan.planner.mesh.MeshSearch`: the
+    problem laid out once per layout signature, priced per mesh, its relaxation re-solved
+    warm), and groups of equal device type, node size and links share their solutions.
+
     Args:
       graph: the train step traced at the reference microbatch size.
       cluster: the cluster; each group's first devices form the sub-meshes.
@@ -79,24 +111,29 @@ def layer_costs(graph: OpGraph, cluster: Cluster, *, reference_batch: int,
       sizes: per group index, the sub-mesh sizes (default :func:`submesh_sizes`).
       max_mesh_axes, time_limit_s, relative_gap: as in ``PlanConfig``.
     """
+    start = time.perf_counter()
     pipeline_layers = [layer for layer in graph.layers if layer.kind != "shared"]
     fingerprints: dict[str, int] = {}
     kind_of = [fingerprints.setdefault(layer.fingerprint, len(fingerprints))
                for layer in pipeline_layers]
     first_of_kind = {k: pipeline_layers[i] for i, k in reversed(list(enumerate(kind_of)))}
+    search = MeshSearch(graph, cluster, max_axes=max_mesh_axes, tie_period=1,
+                        time_limit_s=time_limit_s, relative_gap=relative_gap)
+    readback = _Readback(graph, cluster, [layer.index for layer in first_of_kind.values()],
+                         reference_batch, facts=search.facts,
+                         collective_cache=search.collective_cache)
+    if sizes is not None:
+        wanted = {g: tuple(sizes.get(g, ())) for g in range(len(cluster.groups))}
+        skipped: dict[int, tuple[int, ...]] = {}
+    else:
+        wanted, skipped = _useful_sizes(graph, cluster, pipeline_layers)
+    choices, per_layer, per_submesh, readback_s = _solve_all(search, readback, cluster, wanted)
     options: dict[int, dict[int, list[LayerOption]]] = defaultdict(lambda: defaultdict(list))
-    choices: dict[tuple[int, int], MeshChoice] = {}
-    for g, group in enumerate(cluster.groups):
-        wanted = (sizes.get(g, ()) if sizes is not None
-                  else submesh_sizes(len(group.device_ids), group.devices_per_node))
-        for d in wanted:
-            choice = best_mesh(graph, group.device_ids[:d], cluster, max_axes=max_mesh_axes,
-                               tie_period=1, time_limit_s=time_limit_s,
-                               relative_gap=relative_gap)
-            choices[(g, d)] = choice
-            per_layer = _per_layer(graph, cluster, choice, reference_batch)
+    for g, ds in wanted.items():
+        for d in ds:
             for k, layer in first_of_kind.items():
-                options[k][g].append(dataclasses.replace(per_layer[layer.index], devices=d))
+                options[k][g].append(dataclasses.replace(per_layer[(g, d)][layer.index],
+                                                         devices=d))
     boundary = _boundary_bytes(graph, pipeline_layers, reference_batch)
     kinds = tuple(
         LayerKind(name=first_of_kind[k].name,
@@ -104,61 +141,200 @@ def layer_costs(graph: OpGraph, cluster: Cluster, *, reference_batch: int,
                   boundary_bytes=boundary.get(first_of_kind[k].index, 0.0),
                   gradient_bytes=float(first_of_kind[k].param_bytes))
         for k in range(len(fingerprints)))
+    timings = {**search.timings, "readback_s": readback_s, "fallbacks": search.fallbacks,
+               "total_s": time.perf_counter() - start, "per_submesh_s": per_submesh}
     return LayerCosts(kinds=kinds, layers=tuple(kind_of),
                       names=tuple(layer.name for layer in pipeline_layers),
-                      reference_batch=reference_batch, choices=choices)
+                      reference_batch=reference_batch, choices=choices,
+                      skipped_sizes=skipped, timings=timings)
 
 
-def _per_layer(graph: OpGraph, cluster: Cluster, choice: MeshChoice,
-               batch: int) -> dict[int, LayerOption]:
-    """Each layer's option on ``choice``'s mesh, per sample (``devices`` left 0)."""
-    mesh = choice.mesh
-    analysis = placed_analysis(graph, choice.problem, choice.solution, reduce_scatter=False)
-    device = cluster.group_of(mesh.device_ids[0]).device
-    buffers = buffer_tensors(graph)
-    times = op_times(graph, device, divisor_of=lambda o: float(mesh.size(analysis.op_axes[o])),
-                     materialized=lambda t: buffers[t])
-    seconds: dict[int, float] = {o: t.time_s * graph.ops[o].count for o, t in times.items()}
-    for c in analysis.collectives:
-        seconds[c.op] = seconds.get(c.op, 0.0) + c.count * mesh_collective_time_s(
-            c.kind, c.result_bytes, mesh, c.axes, cluster)
-    phase: dict[tuple[int, str], float] = defaultdict(float)
-    recompute: dict[tuple[int, str], float] = defaultdict(float)
-    dropped = {policy: _dropped_by(graph, policy) for policy in REMATS}
-    for op in graph.ops:
-        s = seconds.get(op.id, 0.0)
-        if not s or not op.layers:
+def _useful_sizes(graph: OpGraph, cluster: Cluster, layers: Sequence[Layer]
+                  ) -> tuple[dict[int, tuple[int, ...]], dict[int, tuple[int, ...]]]:
+    """Per group, the :func:`submesh_sizes` a stage can use, and those it cannot: a sub-mesh
+    on which no layer's static bytes (parameters, gradients, optimizer state), even split
+    evenly over every device, fit one device's memory holds no stage of any plan (a stage
+    holds at least one layer, and the stage planner's budget is at most the device's
+    memory)."""
+    state = _state_bytes(graph, lambda t: graph.tensors[t].nbytes)
+    lightest = min((state.get(layer.index, 0.0) for layer in layers), default=0.0)
+    wanted, skipped = {}, {}
+    for g, group in enumerate(cluster.groups):
+        sizes = submesh_sizes(len(group.device_ids), group.devices_per_node)
+        # Evenly split, a device holds at least nbytes // d of each tensor (of a parameter
+        # and its gradient): 2 bytes per tensor below nbytes / d at most.
+        slack = 2 * len(graph.parameters)
+        fits = [d for d in sizes if lightest / d - slack <= group.device.memory_bytes]
+        wanted[g] = tuple(fits)
+        if len(fits) < len(sizes):
+            skipped[g] = tuple(d for d in sizes if d not in fits)
+    return wanted, skipped
+
+
+def _solve_all(search: MeshSearch, readback: _Readback, cluster: Cluster,
+               wanted: Mapping[int, Sequence[int]]
+               ) -> tuple[dict[tuple[int, int], MeshChoice],
+                          dict[tuple[int, int], dict[int, LayerOption]],
+                          dict[tuple[int, int], float], float]:
+    """Per (group, size): the choice, its options per layer and its seconds; and the seconds
+    of all read-backs.
+
+    Solved size by size, each on every group in turn: a sub-mesh's relaxation starts from the
+    basis of the same mesh on the previous device type, which is close (the optimal shardings
+    differ in a few nodes), where the next size's is not.
+    """
+    choices: dict[tuple[int, int], MeshChoice] = {}
+    per_layer: dict[tuple[int, int], dict[int, LayerOption]] = {}
+    per_submesh: dict[tuple[int, int], float] = {}
+    readback_s = 0.0
+    solved: dict[tuple, tuple[int, int]] = {}
+    for g, d in sorted(((g, d) for g, ds in wanted.items() for d in ds),
+                       key=lambda task: (task[1], task[0])):
+        ids = cluster.groups[g].device_ids[:d]
+        key = _same_costs_key(cluster, ids)
+        if key in solved:  # a group of the same devices and links: the same solution
+            choices[(g, d)] = _moved(choices[solved[key]], ids, cluster)
+            per_layer[(g, d)] = per_layer[solved[key]]
+            per_submesh[(g, d)] = 0.0
             continue
-        share = s / len(op.layers)
-        for index in op.layers:
-            phase[(index, op.phase)] += share
-            for policy in REMATS:
-                if op.id in dropped[policy]:
+        began = time.perf_counter()
+        choice = search.best(ids)
+        searched = time.perf_counter()
+        choices[(g, d)] = choice
+        per_layer[(g, d)] = readback(choice, search.layout(choice.mesh))
+        readback_s += time.perf_counter() - searched
+        per_submesh[(g, d)] = time.perf_counter() - began
+        solved[key] = (g, d)
+    order = sorted(choices)  # group by group, as the tables list them
+    return ({k: choices[k] for k in order}, per_layer, {k: per_submesh[k] for k in order},
+            readback_s)
+
+
+def _same_costs_key(cluster: Cluster, ids: Sequence[int]) -> tuple:
+    """What a sub-mesh's intra-op costs depend on: the device type, the group's links and
+    how its devices spread over nodes (:func:`candidate_meshes` lays them out by node)."""
+    group = cluster.group_of(ids[0])
+    per_node: dict[int, int] = {}
+    for d in ids:
+        per_node[cluster.node_of(d)] = per_node.get(cluster.node_of(d), 0) + 1
+    return (group.device, group.intra_node, group.inter_node, tuple(per_node.values()))
+
+
+def _moved(choice: MeshChoice, ids: Sequence[int], cluster: Cluster) -> MeshChoice:
+    """``choice`` on devices ``ids`` of another group with the same costs."""
+    ordered = tuple(sorted(ids, key=lambda d: (cluster.node_of(d), d)))  # as candidate_meshes
+    mesh = LogicalMesh(choice.mesh.axis_names, choice.mesh.axis_sizes, ordered)
+    source = choice
+
+    def build():
+        return dataclasses.replace(source.problem, mesh=mesh)
+
+    return MeshChoice(mesh=mesh, solution=choice.solution, candidates=choice.candidates,
+                      build=build)
+
+
+class _Readback:
+    """Per layer, its :class:`LayerOption` on a solved sub-mesh (``devices`` left 0): the graph-
+    level parts computed once, the rest per solution.
+
+    Times: each op's roofline time on its local shard and the collectives the placed analysis
+    puts at it, shared equally by the layers the op belongs to, by phase; per sample.
+    """
+
+    def __init__(self, graph: OpGraph, cluster: Cluster, layers: Sequence[int],
+                 batch: int, *, facts: StepFacts,
+                 collective_cache: dict[tuple, float] | None = None) -> None:
+        self.graph = graph
+        self.collective_cache = collective_cache if collective_cache is not None else {}
+        self.rules = facts.rules
+        self.cluster = cluster
+        self.layers = tuple(layers)
+        self.batch = batch
+        wanted = set(layers)
+        # The ops cost.compute.op_times costs: not structural, folded or a view.
+        self.costed = [o for o in facts.fused if graph.ops[o].primitive not in VIEW_PRIMITIVES]
+        self.rooflines = RooflineTable([facts.fused[o] for o in self.costed])
+        self.rows = np.arange(len(self.costed))
+        # Per op, the wanted layers it belongs to and how many layers share it.
+        self.owners = {op.id: ([i for i in op.layers if i in wanted], len(op.layers))
+                       for op in graph.ops if op.layers and wanted.intersection(op.layers)}
+        dropped = {policy: _dropped_by(graph, policy) for policy in REMATS}
+        self.recomputed = {op: tuple(p for p in REMATS if op in dropped[p])
+                           for op in self.owners}
+        pipeline_layers = [layer for layer in graph.layers if layer.kind != "shared"]
+        self.pipeline_layers = pipeline_layers
+
+    def __call__(self, choice: MeshChoice, layout: IntraOpLayout) -> dict[int, LayerOption]:
+        graph, mesh, batch = self.graph, choice.mesh, self.batch
+        assignment = choice.solution.assignment or ()
+        analysis = _placed_analysis(graph, layout, mesh, assignment, self.rules)
+        device = self.cluster.group_of(mesh.device_ids[0]).device
+        # Each op's roofline on its local shard (cost.compute.op_times), times its count.
+        sizes: dict[tuple[str, ...], float] = {}
+        for axes in analysis.op_axes:
+            if axes not in sizes:
+                sizes[axes] = float(mesh.size(axes))
+        divisor = np.asarray([sizes[analysis.op_axes[o]] for o in self.costed])
+        seconds: dict[int, float] = dict(zip(
+            self.costed, self.rooflines.times(device, self.rows, divisor).tolist(), strict=True))
+        # mesh_collective_time_s of each collective, memoised and shared between meshes.
+        comm = MeshCollectives(mesh, self.cluster, self.collective_cache)
+        for c in analysis.collectives:
+            seconds[c.op] = seconds.get(c.op, 0.0) + c.count * comm.collective(
+                c.kind, c.axes, c.result_bytes)
+        phase: dict[tuple[int, str], float] = defaultdict(float)
+        recompute: dict[tuple[int, str], float] = defaultdict(float)
+        for op_id, (mine, shared_by) in self.owners.items():
+            s = seconds.get(op_id, 0.0)
+            if not s:
+                continue
+            share = s / shared_by
+            op_phase = graph.ops[op_id].phase
+            for index in mine:
+                phase[(index, op_phase)] += share
+                for policy in self.recomputed[op_id]:
                     recompute[(index, policy)] += share
 
-    def local(t: int) -> int:
-        return analysis.local_bytes(graph, t)
+        def local(t: int) -> int:
+            return analysis.local_bytes(graph, t)
 
-    state = _state_bytes(graph, local)
-    pipeline_layers = [layer for layer in graph.layers if layer.kind != "shared"]
-    inputs = _crossing_bytes(graph, pipeline_layers, local, into=True)
-    out: dict[int, LayerOption] = {}
-    for layer in graph.layers:
-        i = layer.index
-        out[i] = LayerOption(
-            devices=0,
-            forward_s=(0.0, phase[(i, "forward")] / batch),
-            backward_s=(0.0, (phase[(i, "backward")] + phase[(i, "recompute")]) / batch),
-            recompute_s={p: (0.0, recompute[(i, p)] / batch) for p in REMATS},
-            # Full remat keeps only the layer's input and recomputes the rest.
-            activation_bytes={"none": saved_activation_bytes(graph, local, "none", layer=i)
-                              / batch,
-                              "selective": saved_activation_bytes(graph, local, "selective",
-                                                                  layer=i) / batch,
-                              "full": inputs.get(i, 0.0) / batch},
-            state_bytes=state.get(i, 0.0),
-            update_s=phase[(i, "update")])
-    return out
+        state = _state_bytes(graph, local)
+        inputs = _crossing_bytes(graph, self.pipeline_layers, local, into=True)
+        out: dict[int, LayerOption] = {}
+        for i in self.layers:
+            out[i] = LayerOption(
+                devices=0,
+                forward_s=(0.0, phase[(i, "forward")] / batch),
+                backward_s=(0.0, (phase[(i, "backward")] + phase[(i, "recompute")]) / batch),
+                recompute_s={p: (0.0, recompute[(i, p)] / batch) for p in REMATS},
+                # Full remat keeps only the layer's input and recomputes the rest.
+                activation_bytes={"none": saved_activation_bytes(graph, local, "none", layer=i)
+                                  / batch,
+                                  "selective": saved_activation_bytes(graph, local, "selective",
+                                                                      layer=i) / batch,
+                                  "full": inputs.get(i, 0.0) / batch},
+                state_bytes=state.get(i, 0.0),
+                update_s=phase[(i, "update")])
+        return out
+
+
+def _placed_analysis(graph: OpGraph, layout: IntraOpLayout, mesh: LogicalMesh,
+                     assignment: Sequence[int], rules: Sequence[OpRule]) -> ShardingAnalysis:
+    """``decode.placed_analysis`` of an assignment of ``layout``'s nodes on ``mesh``."""
+    strategies = layout.strategies
+    specs = {t: strategies[n][assignment[n]].result_specs[0]
+             for t, n in layout.input_nodes.items()}
+    ins, outs = leaf_specs(graph, mesh, lambda p: specs[p.tensor])
+    pinned, factors = dict(ins), {}
+    for op in graph.ops:
+        if any(t in layout.free_tensors for t in op.outputs):
+            continue
+        n = layout.op_nodes[op.id]
+        strategy = strategies[n][assignment[n]]
+        factors[op.id] = strategy.factors
+        pinned.update(zip(op.outputs, strategy.result_specs, strict=True))
+    return analyze_sharding(graph, mesh, pinned, outs, reduce_scatter=False, op_factors=factors,
+                            rules=rules)
 
 
 def _dropped_by(graph: OpGraph, policy: str) -> set[int]:

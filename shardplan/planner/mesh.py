@@ -23,16 +23,26 @@ tensor by five, and measured on GPT-3 175B over 8 nodes of 8 the ILP grows from 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import functools
+import time
+from collections.abc import Callable, Hashable, Sequence
 
 from shardplan.cluster import Cluster
 from shardplan.cluster.mesh import LogicalMesh
 from shardplan.errors import InfeasibleError, format_error
 from shardplan.planner.intraop import IntraOpProblem, build_intraop_problem
+from shardplan.planner.layout import (
+    IntraOpCosts,
+    IntraOpLayout,
+    intraop_layout,
+    layout_signature,
+    step_facts,
+)
 from shardplan.solver import Solution, solve
+from shardplan.solver.family import ProblemFamily
 from shardplan.trace.graph import OpGraph
 
-__all__ = ["MeshChoice", "best_mesh", "candidate_meshes"]
+__all__ = ["MeshChoice", "MeshSearch", "best_mesh", "candidate_meshes"]
 
 AXIS_NAMES = ("outer", "middle", "inner")
 """Axis names by position; a 2-axis mesh uses ``outer`` and ``inner``."""
@@ -112,12 +122,20 @@ def candidate_meshes(device_ids: Sequence[int], cluster: Cluster, *,
 
 @dataclasses.dataclass(frozen=True)
 class MeshChoice:
-    """The best mesh and its solved intra-op problem, with every candidate's objective."""
+    """The best mesh and its solved intra-op problem, with every candidate's objective.
+
+    ``problem`` is built on first use where the search solved without it (:class:`MeshSearch`).
+    """
 
     mesh: LogicalMesh
-    problem: IntraOpProblem
     solution: Solution
     candidates: tuple[tuple[tuple[int, ...], float | None], ...]
+    build: Callable[[], IntraOpProblem] = dataclasses.field(repr=False, compare=False)
+
+    @functools.cached_property
+    def problem(self) -> IntraOpProblem:
+        """The solved intra-op problem."""
+        return self.build()
 
 
 def best_mesh(graph: OpGraph, device_ids: Sequence[int], cluster: Cluster, *,
@@ -143,4 +161,115 @@ def best_mesh(graph: OpGraph, device_ids: Sequence[int], cluster: Cluster, *,
             where=f"devices {list(device_ids)}", value=seen,
             remedy="add devices or raise the memory budget"))
     _, mesh, ip, solution = best
-    return MeshChoice(mesh=mesh, problem=ip, solution=solution, candidates=tuple(seen))
+    return MeshChoice(mesh=mesh, solution=solution, candidates=tuple(seen),
+                      build=lambda: ip)
+
+
+class MeshSearch:
+    """:func:`best_mesh` for many device sets of one graph (the layer cost tables: every
+    sub-mesh size of every device group), with the work shared between them.
+
+    * The problem is laid out once per layout signature (:mod:`shardplan.planner.layout`):
+      meshes of one shape on different device types, and shapes whose axes divide the same
+      factor sizes (2 x 2 ... 4 x 8 for GPT-3), share it; each mesh only prices it.
+    * Its relaxation is built once per layout (:class:`~shardplan.solver.family.ProblemFamily`)
+      and re-solved per priced mesh from the previous basis. An integral relaxed optimum is an
+      optimal sharding; otherwise the priced problem is solved by :func:`~shardplan.solver.solve`
+      exactly as :func:`best_mesh` solves it.
+
+    The solver problem of a choice is only built when asked for (``MeshChoice.problem``).
+    """
+
+    def __init__(self, graph: OpGraph, cluster: Cluster, *, max_axes: int = 2,
+                 tie_period: int = 1, time_limit_s: float = 30.0,
+                 relative_gap: float = 0.0) -> None:
+        self.graph = graph
+        self.cluster = cluster
+        self.max_axes = max_axes
+        self.tie_period = tie_period
+        self.time_limit_s = time_limit_s
+        self.relative_gap = relative_gap
+        self.timings: dict[str, float] = {"layout_s": 0.0, "relaxation_build_s": 0.0,
+                                          "price_s": 0.0, "solve_s": 0.0}
+        start = time.perf_counter()
+        self.facts = step_facts(graph, tie_period=tie_period)
+        self.timings["facts_s"] = time.perf_counter() - start
+        self._layouts: dict[Hashable, IntraOpLayout] = {}
+        self._families: dict[Hashable, ProblemFamily] = {}
+        # Collective times shared by every mesh (layout.MeshCollectives).
+        self.collective_cache: dict[tuple, float] = {}
+        self._salts: dict[tuple[str, int], float] = {}
+        self.fallbacks = 0
+
+    def layout(self, mesh: LogicalMesh) -> IntraOpLayout:
+        """The layout serving ``mesh``."""
+        key = layout_signature(self.graph, mesh, factor_sizes=self.facts.factor_sizes)
+        if key not in self._layouts:
+            start = time.perf_counter()
+            self._layouts[key] = intraop_layout(self.graph, mesh, tie_period=self.tie_period,
+                                                facts=self.facts)
+            self.timings["layout_s"] += time.perf_counter() - start
+        return self._layouts[key]
+
+    def best(self, device_ids: Sequence[int]) -> MeshChoice:
+        """As :func:`best_mesh` over ``device_ids``.
+
+        Raises:
+          InfeasibleError: no candidate mesh has a solution.
+        """
+        best: tuple[float, LogicalMesh, Solution, Callable[[], IntraOpProblem]] | None = None
+        seen: list[tuple[tuple[int, ...], float | None]] = []
+        for mesh in candidate_meshes(device_ids, self.cluster, max_axes=self.max_axes):
+            solution, build = self._solve(mesh)
+            seen.append((mesh.axis_sizes, solution.objective))
+            if solution.objective is None:
+                continue
+            if best is None or solution.objective < best[0]:
+                best = (solution.objective, mesh, solution, build)
+        if best is None:
+            raise InfeasibleError(format_error(
+                "No mesh over these devices gives a feasible sharding.",
+                where=f"devices {list(device_ids)}", value=seen,
+                remedy="add devices or raise the memory budget"))
+        _, mesh, solution, build = best
+        return MeshChoice(mesh=mesh, solution=solution, candidates=tuple(seen), build=build)
+
+    def _solve(self, mesh: LogicalMesh) -> tuple[Solution, Callable[[], IntraOpProblem]]:
+        layout = self.layout(mesh)
+        start = time.perf_counter()
+        costs = layout.price(mesh, self.cluster, collective_cache=self.collective_cache)
+        priced = time.perf_counter()
+        self.timings["price_s"] += priced - start
+
+        def build(costs: IntraOpCosts | None = None) -> IntraOpProblem:
+            return layout.problem(mesh, self.cluster, costs=costs,
+                                  time_limit_s=self.time_limit_s, relative_gap=self.relative_gap)
+
+        family = self._family(layout, costs)
+        relaxed = family.solve(costs.compute, costs.communication, costs.edges)
+        if relaxed is not None and relaxed.integral:
+            self.timings["solve_s"] += time.perf_counter() - priced
+            solution = Solution(status="optimal", assignment=relaxed.assignment,
+                                objective=relaxed.objective, best_bound=relaxed.objective,
+                                gap=0.0, solve_time_s=relaxed.solve_time_s,
+                                stats={"solver": "glop-family", "lp_relaxation": "integral",
+                                       "iterations": relaxed.iterations})
+            return solution, build
+        # Fractional or refused: the exact path of best_mesh.
+        self.fallbacks += 1
+        ip = build(costs)
+        solution = solve(ip.problem)
+        self.timings["solve_s"] += time.perf_counter() - priced
+        return solution, lambda: ip
+
+    def _family(self, layout: IntraOpLayout, costs: IntraOpCosts) -> ProblemFamily:
+        key = layout.signature
+        if key not in self._families:
+            start = time.perf_counter()
+            self._families[key] = ProblemFamily(
+                names=layout.names, counts=[len(s) for s in layout.strategies],
+                followers=[(f.node, f.leader) for f in layout.followers], edges=layout.edges,
+                labels=layout.edge_labels(), node_cost=costs.compute + costs.communication,
+                edge_costs=costs.edges, salts=self._salts, time_limit_s=self.time_limit_s)
+            self.timings["relaxation_build_s"] += time.perf_counter() - start
+        return self._families[key]

@@ -1,0 +1,113 @@
+"""An intra-op problem laid out once and priced per mesh (planner/layout.py), and the mesh
+search that shares layouts and relaxations (planner/mesh.py ``MeshSearch``)."""
+
+from __future__ import annotations
+
+import pytest
+from test_planner_intraop import mlp_step
+
+import shardplan as sp
+from shardplan.cost.sharding import analyze_sharding, leaf_specs
+from shardplan.planner.intraop import build_intraop_problem
+from shardplan.planner.layout import intraop_layout, layout_signature, step_facts
+from shardplan.planner.mesh import MeshSearch, best_mesh, candidate_meshes
+from shardplan.solver import evaluate
+
+# Two A100 nodes of 4 and one V100 node of 4: meshes inside a node and across the two.
+CLUSTER = sp.Cluster.from_dict({"name": "two-types", "groups": [
+    {"name": "a100", "device": "a100-80g", "nodes": 2, "devices_per_node": 4,
+     "intra_node": {"bandwidth_GB_s": 300.0, "latency_us": 2.0},
+     "inter_node": {"bandwidth_GB_s": 25.0, "latency_us": 5.0}},
+    {"name": "v100", "device": "v100-32g", "nodes": 1, "devices_per_node": 4,
+     "intra_node": {"bandwidth_GB_s": 150.0, "latency_us": 2.0}}],
+    "between_groups": {"bandwidth_GB_s": 12.5, "latency_us": 5.0}})
+
+
+@pytest.fixture(scope="module")
+def graph():
+    step, state, x = mlp_step(64, 32, layers=4)
+    return sp.trace(step, state, x)
+
+
+def _meshes():
+    a100, v100 = CLUSTER.groups[0].device_ids, CLUSTER.groups[1].device_ids
+    out = []
+    for ids in (a100[:1], a100[:2], a100[:4], a100[:8], v100[:2], v100[:4]):
+        out += candidate_meshes(ids, CLUSTER)
+    return out
+
+
+@pytest.mark.parametrize(("tie_period", "follow"), [(1, True), (2, True), (0, False)])
+def test_a_layout_priced_on_each_mesh_is_the_problem_built_there(graph, tie_period: int,
+                                                                 follow: bool) -> None:
+    # Laid out once per signature and priced per mesh, with the collective times shared
+    # between meshes, the problem equals build_intraop_problem's to the bit.
+    facts = step_facts(graph, tie_period=tie_period)
+    layouts = {}
+    cache: dict = {}
+    meshes = _meshes()
+    for mesh in meshes:
+        key = layout_signature(graph, mesh, factor_sizes=facts.factor_sizes)
+        if key not in layouts:
+            layouts[key] = intraop_layout(graph, mesh, tie_period=tie_period, follow=follow,
+                                          facts=facts)
+        layout = layouts[key]
+        costs = layout.price(mesh, CLUSTER, collective_cache=cache)
+        got = layout.problem(mesh, CLUSTER, costs=costs, relative_gap=0.01)
+        want = build_intraop_problem(graph, mesh, CLUSTER, tie_period=tie_period,
+                                     follow=follow, relative_gap=0.01)
+        assert got.problem == want.problem, mesh
+        assert got.strategies == want.strategies
+        assert (got.input_nodes, got.op_nodes, got.free_tensors) == (
+            want.input_nodes, want.op_nodes, want.free_tensors)
+    # 1, 2 and 2 x 2 ... 2 x 4 (the MLP's sizes divide alike on both): three layouts.
+    assert [m.axis_sizes for m in meshes] == [(1,), (2,), (2, 2), (2, 4), (2,), (2, 2)]
+    assert len(layouts) == 3
+
+
+def test_a_mesh_of_another_signature_is_refused(graph) -> None:
+    two, four = candidate_meshes(range(2), CLUSTER)[0], candidate_meshes(range(4), CLUSTER)[0]
+    layout = intraop_layout(graph, two)
+    assert layout.serves(two) and not layout.serves(four)
+    with pytest.raises(ValueError, match="signature"):
+        layout.price(four, CLUSTER)
+
+
+def test_the_search_finds_the_optimum_best_mesh_finds(graph) -> None:
+    search = MeshSearch(graph, CLUSTER, tie_period=1, relative_gap=0.01)
+    for mesh in _meshes():
+        ids = mesh.device_ids
+        got = search.best(ids)
+        want = best_mesh(graph, ids, CLUSTER, tie_period=1, relative_gap=0.01)
+        assert got.mesh == want.mesh
+        assert got.solution.objective == pytest.approx(want.solution.objective, rel=1e-7)
+        # The problem is built on demand, equal to the one best_mesh solved.
+        assert got.problem.problem == want.problem.problem
+        assert evaluate(got.problem.problem, got.solution.assignment).cost.total == \
+            pytest.approx(got.solution.objective, rel=1e-12)
+    assert search.fallbacks == 0
+    assert set(search.timings) >= {"facts_s", "layout_s", "relaxation_build_s", "price_s",
+                                   "solve_s"}
+
+
+def test_the_analysis_with_the_rules_given_is_the_same(graph) -> None:
+    mesh = candidate_meshes(range(4), CLUSTER)[0]
+    ins, outs = leaf_specs(graph, mesh, lambda p: ("outer",) if p.arg_index == 1 else None)
+    a = analyze_sharding(graph, mesh, ins, outs)
+    b = analyze_sharding(graph, mesh, ins, outs, rules=step_facts(graph).rules)
+    assert (a.specs, a.op_axes, a.collectives) == (b.specs, b.op_axes, b.collectives)
+
+
+def test_a_member_the_relaxation_does_not_settle_is_solved_as_best_mesh_does(
+        graph, monkeypatch) -> None:
+    from shardplan.solver.family import ProblemFamily
+
+    monkeypatch.setattr(ProblemFamily, "solve", lambda self, *costs: None)
+    search = MeshSearch(graph, CLUSTER, tie_period=1, relative_gap=0.01)
+    ids = CLUSTER.groups[0].device_ids[:4]
+    got = search.best(ids)
+    want = best_mesh(graph, ids, CLUSTER, tie_period=1, relative_gap=0.01)
+    assert search.fallbacks == 1
+    a, b = got.solution, want.solution
+    assert (a.status, a.assignment, a.objective) == (b.status, b.assignment, b.objective)
+    assert got.problem.problem == want.problem.problem
