@@ -193,7 +193,8 @@ def _structure_count(problem: PipelineProblem, chunks: int) -> int:
 
 def random_problem(rng: random.Random) -> PipelineProblem:
     """A small random problem: 1-8 layers of 1-2 kinds, 1-3 groups of 1-8 devices, random
-    costs, memory, links and candidates. The caller rejects draws with too many plans."""
+    costs, memory, links (some pairs of groups with a link of their own) and candidates. The
+    caller rejects draws with too many plans."""
     n_groups = rng.choice((1, 1, 2, 2, 3))
     n = rng.choice((1, 2, 2, 3, 3, 4, 4, 4, 5, 6, 8)) if n_groups < 3 else rng.choice((1, 2, 3, 4))
     groups = []
@@ -239,6 +240,9 @@ def random_problem(rng: random.Random) -> PipelineProblem:
     schedules = tuple(rng.sample(("gpipe", "1f1b", "interleaved"), rng.choice((1, 2, 3))))
     objective = "cost" if rng.random() < 0.25 else "time"
     between = Link(rng.uniform(0.3, 20.0), rng.uniform(0.0, 0.3))
+    # Some pairs of groups get their own link (faster or slower, lower or higher latency).
+    group_links = {(a, b): Link(rng.uniform(0.3, 20.0), rng.uniform(0.0, 0.3))
+                   for a, b in itertools.combinations(range(n_groups), 2) if rng.random() < 0.5}
     return PipelineProblem(
         tuple(kinds), layers, tuple(groups), between, batch, tuple(sorted(mb_all)),
         schedules=schedules, remats=remats,  # type: ignore[arg-type]
@@ -246,7 +250,8 @@ def random_problem(rng: random.Random) -> PipelineProblem:
                                        rng.choice((1, 2))))),
         max_stages=rng.choice((0, 0, 0, 2, 3)),
         objective=objective,  # type: ignore[arg-type]
-        min_throughput=rng.uniform(0.0, 0.6) if objective == "cost" else 0.0)
+        min_throughput=rng.uniform(0.0, 0.6) if objective == "cost" else 0.0,
+        group_links=group_links)
 
 
 def _gcd(a: int, b: int) -> int:

@@ -249,9 +249,9 @@ def test_closed_form_exact_on_balanced_plans(schedule: Schedule) -> None:
 
 
 def test_sync_worked_by_hand() -> None:
-    # Two replicas of one stage (layers 0, 1 on 1 device) in one node: per layer a ring
-    # all-reduce 2 (R-1)/R * 8 bytes / 4 bytes/s + 2 (R-1) * 0.5 s = 2 + 1 = 3 s; two layers 6 s.
-    # Pipeline 2 microbatches x 6 s; update 0.25 s per layer, 0.5 per stage.
+    # Two replicas of one stage (layers 0, 1 on 1 device) in one node: one bucket of 16 bytes
+    # per device, ring all-reduced in 2 (R - 1) = 2 steps of 0.5 s + 8 bytes / 4 bytes/s:
+    # 5 s. Pipeline 2 microbatches x 6 s; update 0.25 s per layer, 0.5 per stage.
     option = LayerOption(1, (1.0, 0.0), (2.0, 0.0), NO_REMAT, {"none": 1.0}, 0.0, 0.25)
     kind = LayerKind("block", {0: (option,)}, boundary_bytes=0.0, gradient_bytes=8.0)
     link = Link(4.0, 0.5)
@@ -260,8 +260,37 @@ def test_sync_worked_by_hand() -> None:
     stage = StagePlacement(0, 1, (0, 1))
     plan = PipelinePlan((Replica((stage,), 2), Replica((stage,), 2)), 1, "1f1b")
     sim = simulate(problem, plan)
-    assert (sim.replica_time_s, sim.sync_s, sim.update_s) == ((12.0, 12.0), 6.0, 0.5)
-    assert sim.step_time_s == 18.5 == evaluate_pipeline(problem, plan).step_time_s
+    assert (sim.replica_time_s, sim.sync_s, sim.update_s) == ((12.0, 12.0), 5.0, 0.5)
+    assert sim.step_time_s == 17.5 == evaluate_pipeline(problem, plan).step_time_s
+
+
+def test_each_stage_updates_after_its_own_all_reduce() -> None:
+    # Two replicas cut alike: stage 0 holds layer 0 (16 bytes of gradient, update 0 s), stage 1
+    # layer 1 (4 bytes, update 2 s); 0-latency 4 bytes/s link, R = 2. Stage 0's group
+    # all-reduces 2 * 1/2 * 16 / 4 = 4 s, stage 1's 1 s, then updates 2 s: done at 4 and 3 s.
+    # The closed form charges max sync + max update = 4 + 2 = 6 s; the simulator 4 s.
+    # Cut differently (replica 1 one stage of both layers), all four stages form one group
+    # that ends with replica 1's 20-byte bucket at 5 s: the closed form's sync (max sigma 20)
+    # is then the simulator's, and stage 1 of replica 0 updates from 5 to 7 s.
+    link = Link(4.0, 0.0)
+    options = [LayerOption(1, (1.0, 0.0), (1.0, 0.0), NO_REMAT, {"none": 0.0}, 0.0, u)
+               for u in (0.0, 2.0)]
+    kinds = tuple(LayerKind(f"k{i}", {0: (o,)}, 0.0, g)
+                  for i, (o, g) in enumerate(zip(options, (16.0, 4.0), strict=True)))
+    group = DeviceGroup("dev", 4, 4, 1e18, 1.0, link, link)
+    problem = PipelineProblem(kinds, (0, 1), (group,), link, batch=2, microbatch_sizes=(1,),
+                              remats=("none",))
+    cut = (StagePlacement(0, 1, (0,)), StagePlacement(0, 1, (1,)))
+    plan = PipelinePlan((Replica(cut, 1), Replica(cut, 1)), 1, "1f1b")
+    sim, ev = simulate(problem, plan), evaluate_pipeline(problem, plan)
+    assert (sim.sync_s, sim.update_s, ev.sync_s, ev.update_s) == (4.0, 2.0, 4.0, 2.0)
+    assert (sim.step_time_s - max(sim.replica_time_s), ev.step_time_s - max(ev.replica_time_s)
+            ) == (4.0, 6.0)
+    plan = PipelinePlan((Replica(cut, 1), Replica((StagePlacement(0, 1, (0, 1)),), 1)), 1,
+                        "1f1b")
+    sim, ev = simulate(problem, plan), evaluate_pipeline(problem, plan)
+    assert (sim.sync_s, ev.sync_s) == (5.0, 5.0)
+    assert sim.step_time_s - max(sim.replica_time_s) == 7.0
 
 
 # --- Where it is not: each difference against the formula that explains it --------------------

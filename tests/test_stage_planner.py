@@ -3,21 +3,25 @@
 Layers: (a) the planner's objective equals a brute force over every plan on 200+ random small
 problems, infeasible ones included; (b) the same inputs give the same plan; (c) hand-made
 problems whose optimum is worked out in a comment (uneven microbatches, memory forcing 1F1B
-and remat, an interleaving win, the synchronisation term, infeasibility figures); (d) the
-replica figures the search uses agree with ``evaluate_pipeline`` on random plans.
+and remat, an interleaving win, the per-stage synchronisation, links between pairs of groups,
+infeasibility figures); (d) the replica figures the search uses agree with
+``evaluate_pipeline`` on random plans; (e) the fluid lower bound of each configuration is below
+its best plan, and a search cut by its time limit returns a plan with a proven lower bound.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
 from collections import Counter
 
 import pytest
-from pipeline_bruteforce import all_plans, best, count_plans, random_problem
+from pipeline_bruteforce import all_plans, best, count_plans, objective, random_problem
 
 from shardplan.errors import ConfigError, InfeasibleError
+from shardplan.solver._bound import config_bound
 from shardplan.solver._mix import best_mix
 from shardplan.solver._shapes import replica_shapes, shape_of
 from shardplan.solver.pipeline import (
@@ -30,6 +34,7 @@ from shardplan.solver.pipeline import (
     Replica,
     StagePlacement,
     evaluate_pipeline,
+    stage_link,
     sync_link,
 )
 from shardplan.solver.stages import PipelineInfeasibleError, _bounds, _configs, solve_pipeline
@@ -181,20 +186,54 @@ def test_interleaving_wins() -> None:
     assert solution.evaluation.step_time_s == 4.0
 
 
-def test_sync_uses_the_busiest_replica_and_the_plan_link() -> None:
-    # The contract's synchronisation (pipeline.sync_s): replica 0 holds both 4-byte layers on
-    # 2 devices (sigma = 4/2 + 4/2 = 4), replica 1 one per device (sigma = 4 + 4 = 8). The
-    # plan's 4 devices fit one 4-device node: the intra-node link (2 B/s, 0.5 s latency).
-    # sync = 2 (2 - 1) / 2 * 8 / 2 + 2 (2 - 1) * 2 layers * 0.5 = 4 + 2 = 6 s.
+def test_sync_uses_the_busiest_stage_and_the_plan_link() -> None:
+    # The contract's synchronisation (pipeline.sync_s), per stage: replica 0 holds both 4-byte
+    # layers on 1 device (sigma = 4 + 4 = 8), replica 1 one per device (sigma 4 on each
+    # stage; the old whole-replica sum would have charged it 8 too). The plan's 3 devices fit
+    # one of the 4-device nodes: the intra-node link (2 B/s, 0.5 s latency), latency once per
+    # bucket:
+    # sync = 2 (2 - 1) / 2 * 8 / 2 + 2 (2 - 1) * 0.5 = 4 + 1 = 5 s.
     intra = Link(2.0, 0.5)
     kind = LayerKind("block", {0: (_option(1), _option(2))}, 0.0, 4.0)
-    problem = PipelineProblem((kind,), (0, 0), (_group("d", 4, intra=intra, inter=FREE),),
+    problem = PipelineProblem((kind,), (0, 0), (_group("d", 8, per_node=4, intra=intra,
+                                                       inter=FREE),),
                               FREE, batch=2, microbatch_sizes=(1,), remats=("none",))
-    plan = PipelinePlan((Replica((StagePlacement(0, 2, (0, 1)),), 1),
+    plan = PipelinePlan((Replica((StagePlacement(0, 1, (0, 1)),), 1),
                          Replica((StagePlacement(0, 1, (0,)), StagePlacement(0, 1, (1,))), 1)),
                         1, "1f1b")
     assert sync_link(problem, plan) == intra
-    assert evaluate_pipeline(problem, plan).sync_s == 6.0
+    assert evaluate_pipeline(problem, plan).sync_s == 5.0
+    # Two stages of 2 devices each in replica 1 halve its figures; replica 0 still sets 8.
+    plan2 = PipelinePlan((plan.replicas[0],
+                          Replica((StagePlacement(0, 2, (0,)), StagePlacement(0, 2, (1,))), 1)),
+                         1, "1f1b")
+    assert sync_link(problem, plan2) == FREE  # 5 devices: past the node, the inter-node link
+    assert evaluate_pipeline(problem, plan2).sync_s == 2 * 1 / 2 * 8 / 1.0
+
+
+def test_group_links_set_hops_and_the_slowest_sync_link() -> None:
+    # Three groups; groups 0 and 1 share a fast fabric (group_links), group 2 only the slow
+    # default. A hop 0 -> 1 runs on the fast link, 1 -> 2 on the default; the all-reduce of a
+    # plan on groups {0, 1} runs on the fast link, on {0, 1, 2} on the least bandwidth (1)
+    # and the largest latency (0.5) of the three pairs.
+    fast, slow = Link(10.0, 0.5), Link(1.0, 0.1)
+    o = _option(1)
+    kind = LayerKind("block", {0: (o,), 1: (o,), 2: (o,)}, 1.0, 4.0)
+    problem = PipelineProblem((kind,), (0, 0), tuple(_group(f"g{g}", 2) for g in range(3)),
+                              slow, batch=2, microbatch_sizes=(1,), remats=("none",),
+                              group_links={(0, 1): fast})
+    a, b, c = (StagePlacement(g, 1, (0,)) for g in range(3))
+    assert stage_link(problem, a, b) == fast and stage_link(problem, b, c) == slow
+    two = PipelinePlan((Replica((StagePlacement(0, 1, (0, 1)),), 1),
+                        Replica((StagePlacement(1, 1, (0, 1)),), 1)), 1, "1f1b")
+    assert sync_link(problem, two) == fast
+    three = PipelinePlan((Replica((StagePlacement(0, 1, (0,)), StagePlacement(2, 1, (1,))), 1),
+                          Replica((StagePlacement(1, 1, (0, 1)),), 1)), 1, "1f1b")
+    assert sync_link(problem, three) == Link(1.0, 0.5)
+    # sigma: replica 1's single stage, 8 bytes: 2 (1) / 2 * 8 / 1 + 2 * 0.5 = 9 s.
+    assert evaluate_pipeline(problem, three).sync_s == 9.0
+    # The search agrees with the brute force on such a problem.
+    assert _objective(problem) == best(problem)[0]
 
 
 def test_infeasible_reports_memory_and_device_figures() -> None:
@@ -298,3 +337,37 @@ def test_bounds_keep_the_optimum_on_a_larger_problem() -> None:
     (replica,) = solution.plan.replicas
     assert sorted(s.devices for s in replica.stages) == [2, 4]
     assert solve_pipeline(problem).plan == solution.plan
+
+
+def test_fluid_bound_is_below_every_plan_of_its_configuration() -> None:
+    # Rule F: per (microbatch size, schedule, chunks), no plan beats the fluid bound. Checked
+    # against every plan of random small problems; the bound is also not vacuous.
+    rng = random.Random(11)
+    checked = tight = 0
+    while checked < 80:
+        problem = random_problem(rng)
+        if count_plans(problem, PLAN_LIMIT) > PLAN_LIMIT:
+            continue
+        least: dict[tuple[int, str, int], float] = {}
+        for plan in all_plans(problem):
+            key = (plan.microbatch_size, plan.schedule, plan.chunks)
+            least[key] = min(least.get(key, math.inf), objective(problem, plan))
+        for (mb, schedule, v), value in least.items():
+            floor = config_bound(problem, mb, schedule, v)  # type: ignore[arg-type]
+            assert floor <= value, (checked, mb, schedule, v, floor, value)
+            tight += value < math.inf and floor > 0.5 * value
+        checked += 1
+    assert tight > 20
+
+
+def test_time_limit_returns_the_best_plan_found_and_a_lower_bound() -> None:
+    # Past its time limit the search keeps the quick plan (uniform replicas) and proves a
+    # lower bound: the least fluid bound of the configurations it did not finish.
+    problem = _gpt_like()
+    exact = solve_pipeline(problem)
+    assert exact.stats.optimal and exact.stats.lower_bound == exact.evaluation.step_time_s
+    cut = solve_pipeline(dataclasses.replace(problem, time_limit_s=0.0))
+    assert not cut.stats.optimal
+    assert cut.evaluation.feasible
+    assert 0 < cut.stats.lower_bound <= exact.evaluation.step_time_s
+    assert exact.evaluation.step_time_s <= cut.evaluation.step_time_s

@@ -9,14 +9,19 @@ the totals are a bitmask, the reachable sums of the chosen replicas' microbatch 
 plan's objective is ``tau' + sync + update`` (times its price under the cost objective) with
 ``tau' <= tau`` its real pipeline time, so :func:`best_mix` sweeps ``tau`` over the breakpoints
 ``s.time_s(m)`` upwards, jumping by bisection to the next breakpoint where a state appears
-that could beat the best plan so far (rules K, B and T in :mod:`shardplan.solver.stages`).
+that could beat the best plan so far and whose replicas, with the fluid capacity of the
+devices left (:mod:`shardplan.solver._bound`), can still place every microbatch (rules K, B,
+F and T in :mod:`shardplan.solver.stages`).
 """
 
 from __future__ import annotations
 
+import math
+import operator
 from dataclasses import dataclass
 
-from shardplan.solver._shapes import PlanBound, Shape, _usage_le
+from shardplan.solver._bound import PlanBound
+from shardplan.solver._shapes import Shape, _usage_le, check_deadline
 from shardplan.solver.pipeline import Link, PipelineProblem
 
 __all__ = ["Mix", "best_mix", "sync_seconds"]
@@ -40,12 +45,12 @@ class Mix:
     states: int
 
 
-def sync_seconds(replicas: int, link: Link, sigma: float, layers: int) -> float:
+def sync_seconds(replicas: int, link: Link, sigma: float) -> float:
     """:func:`~shardplan.solver.pipeline.sync_s` from its parts."""
     if replicas <= 1:
         return 0.0
     return (2 * (replicas - 1) / replicas * sigma / link.bandwidth_bytes_per_s
-            + 2 * (replicas - 1) * layers * link.latency_s)
+            + 2 * (replicas - 1) * link.latency_s)
 
 
 def _sumset(reach: int, step: int, count: int, mask: int) -> int:
@@ -65,8 +70,9 @@ def _sumset(reach: int, step: int, count: int, mask: int) -> int:
 class _Mixer:
     """The knapsack over one configuration's shapes, evaluated at pipeline-time bounds."""
 
-    def __init__(self, problem: PipelineProblem, shapes: list[Shape], bound: PlanBound) -> None:
-        self.problem, self.shapes, self.bound = problem, shapes, bound
+    def __init__(self, problem: PipelineProblem, shapes: list[Shape], bound: PlanBound,
+                 deadline: float) -> None:
+        self.problem, self.shapes, self.bound, self.deadline = problem, shapes, bound, deadline
         self.total = bound.total
         self.mask = (1 << (self.total + 1)) - 1
         self.counts = [g.count for g in problem.groups]
@@ -90,7 +96,7 @@ class _Mixer:
 
     def score(self, tau: float, r: int, st: State) -> tuple[float, float]:
         """``(objective, step seconds)`` of a final state at ``tau``."""
-        step = tau + sync_seconds(r, self.bound.link(st[0]), st[2], self.bound.layers) + st[3]
+        step = tau + sync_seconds(r, self.bound.link(st[0]), st[2]) + st[3]
         return self.bound.value(step, st[4]), step
 
     def promising(self, tau_lo: float, r: int, st: State, best: float) -> bool:
@@ -108,8 +114,9 @@ class _Mixer:
 
         def better(a: State, b: State) -> bool:
             return ((a[1] | b[1]) == a[1] and a[2] <= b[2] and a[3] <= b[3] and a[4] <= b[4]
-                    and _usage_le(a[0], b[0], safe))
+                    and (a[0] == b[0] or _usage_le(a[0], b[0], safe)))
 
+        built = 0
         for idx, s in enumerate(self.shapes):
             c = self.capacity(s, tau)
             if c < s.step:
@@ -122,8 +129,11 @@ class _Mixer:
                 here = levels.setdefault(r, {})
                 for supp in list(below):
                     for st in list(below[supp]):
-                        usage = tuple(a + b for a, b in zip(st[0], s.usage, strict=True))
-                        if any(u > n for u, n in zip(usage, counts, strict=True)):
+                        built += 1
+                        if not built & 255:
+                            check_deadline(self.deadline)
+                        usage = tuple(map(operator.add, st[0], s.usage))
+                        if not all(map(operator.le, usage, counts)):
                             continue
                         reach = _sumset(st[1], s.step, q, self.mask)
                         if not reach:
@@ -131,7 +141,8 @@ class _Mixer:
                         sigma, update = max(st[2], s.sigma), max(st[3], s.update_s)
                         price = st[4] + self.prices[idx]
                         new = (usage, reach, sigma, update, price, st, idx)
-                        if not self.promising(tau_lo, r, new, best):
+                        if not self.promising(tau_lo, r, new, best) or self.bound.crowded(
+                                tau, reach.bit_length() - 1, usage, r):
                             continue
                         bucket = here.setdefault(supp | self.supports[idx], [])
                         if any(better(o, new) for o in bucket):
@@ -155,7 +166,7 @@ class _Mixer:
                 for st in by_supp[supp]:
                     if not st[1] & bit:
                         continue
-                    extra = sync_seconds(r, self.bound.link(st[0]), st[2], self.bound.layers)
+                    extra = sync_seconds(r, self.bound.link(st[0]), st[2])
                     step = tau_lo + extra + st[3]
                     if not self.bound.too_slow(step) and self.bound.value(step, st[4]) < best:
                         out.append((self.score(tau, r, st)[0], extra + st[3], st[4], r, st))
@@ -179,10 +190,15 @@ class _Mixer:
         return out
 
 
-def best_mix(problem: PipelineProblem, shapes: list[Shape], bound: PlanBound) -> Mix | None:
+def best_mix(problem: PipelineProblem, shapes: list[Shape], bound: PlanBound,
+             deadline: float = math.inf) -> Mix | None:
     """The best multiset of ``shapes`` with a microbatch split, if its objective is below
-    ``bound.best``."""
-    mixer = _Mixer(problem, shapes, bound)
+    ``bound.best``.
+
+    Raises:
+      SearchTimeout: past ``deadline``.
+    """
+    mixer = _Mixer(problem, shapes, bound, deadline)
     best = bound.best
     floor_su = min((s.update_s for s in shapes), default=0.0)
     floor_price = min(mixer.prices, default=0.0)

@@ -3,26 +3,45 @@
 A *shape* is one replica's stages without its microbatch count. What the rest of the plan sees
 of it is :class:`Shape`'s figures: the devices it uses per group, its pipeline time
 ``fill_s + (m - 1) * bottleneck_s`` for ``m`` microbatches, the most microbatches its memory
-holds (``cap``), the microbatch granularity (``step``: ``k`` under interleaving), its gradient
-bytes per device (``sigma``, :func:`~shardplan.solver.pipeline.sync_s`) and its slowest
-stage's update. :func:`replica_shapes` enumerates shapes with a dynamic program over the layers
+holds (``cap``), the microbatch granularity (``step``: ``k`` under interleaving), the largest
+gradient bytes a device of one of its stages all-reduces (``sigma``,
+:func:`~shardplan.solver.pipeline.sync_s`) and its slowest stage's update. :func:`replica_shapes` enumerates shapes with a dynamic program over the layers
 (backward, so that a stage knows its distance from the last stage, which sets its 1F1B
 in-flight count) or, interleaved, over the stages, and keeps a label only when no other label
-of the same state is at least as good in every figure (the dominance rules are proved in
-:mod:`shardplan.solver.stages`).
+of the same state is at least as good in every figure and the label could still be part of a
+plan better than the best so far (the rules are proved in :mod:`shardplan.solver.stages`).
+Both programs stop with :class:`SearchTimeout` at the problem's time limit.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from shardplan.solver.pipeline import Link, PipelineProblem, Schedule, StagePlacement, stage_link
+from shardplan.solver._bound import PlanBound
+from shardplan.solver.pipeline import (
+    PipelineProblem,
+    Schedule,
+    StagePlacement,
+    group_link,
+    stage_link,
+)
 
-__all__ = ["PlanBound", "Shape", "replica_shapes", "shape_dominates", "shape_of",
+__all__ = ["SearchTimeout", "Shape", "replica_shapes", "shape_dominates", "shape_of",
            "uniform_shapes"]
+
+class SearchTimeout(Exception):
+    """The search passed its deadline (``PipelineProblem.time_limit_s``)."""
+
+
+def check_deadline(deadline: float) -> None:
+    """Raises :class:`SearchTimeout` past ``deadline`` (``time.perf_counter()`` seconds)."""
+    if time.perf_counter() > deadline:
+        raise SearchTimeout
+
 
 # A label: (usage, seconds, bottleneck, cap, sigma, update, stages, parent, stage).
 # ``seconds`` is ``sum t + sum c``; ``stage`` is ``(type index, layers)``.
@@ -40,7 +59,8 @@ class Shape:
       bottleneck_s: ``max(max t, max c)``: each further microbatch.
       cap: the most microbatches (at most the step's) every stage's memory holds.
       step: the microbatch count must be a multiple of this (stages under interleaving).
-      sigma: ``sum_layers gradient_bytes / devices``.
+      sigma: the largest ``sigma_{r,s}`` of its stages (gradient bytes per device,
+        :func:`~shardplan.solver.pipeline.sync_s`).
       update_s: the slowest stage's optimizer update.
     """
 
@@ -56,96 +76,6 @@ class Shape:
     def time_s(self, microbatches: int) -> float:
         """The closed-form pipeline time with ``microbatches`` microbatches."""
         return self.fill_s + (microbatches - 1) * self.bottleneck_s
-
-
-@dataclass(frozen=True)
-class PlanBound:
-    """What a useful shape must beat: the best plan so far (rule B in
-    :mod:`shardplan.solver.stages`).
-
-    Attributes:
-      best: the best objective so far (``inf``: none yet).
-      cost: whether the objective is dollars per step (else seconds).
-      batch: the global batch.
-      min_throughput: the cost objective's floor (0: none).
-      total: microbatches ``M``.
-      layers: layers of the model.
-      between: the link between groups.
-      intra: per group, its intra-node link.
-      inter: per group, its inter-node link.
-      per_node: per group, devices per node.
-      prices: per group, price per device-hour.
-      safe: per group, whether using fewer of its devices can never make the gradient
-        synchronisation slower (its intra-node link is no slower than its inter-node one).
-    """
-
-    best: float
-    cost: bool
-    batch: int
-    min_throughput: float
-    total: int
-    layers: int
-    between: Link
-    intra: tuple[Link, ...]
-    inter: tuple[Link, ...]
-    per_node: tuple[int, ...]
-    prices: tuple[float, ...]
-    safe: tuple[bool, ...]
-
-    def link(self, usage: Sequence[int]) -> Link:
-        """The synchronisation link of a plan using ``usage`` devices per group
-        (:func:`~shardplan.solver.pipeline.sync_link`)."""
-        used = [g for g, u in enumerate(usage) if u]
-        if len(used) != 1:
-            return self.between
-        g = used[0]
-        return self.intra[g] if usage[g] <= self.per_node[g] else self.inter[g]
-
-    def sync_floor(self, replicas: int, sigma: float, usage: Sequence[int]) -> float:
-        """The least gradient synchronisation of a plan with at least ``replicas`` replicas,
-        largest sigma at least ``sigma`` and at least ``usage`` devices per group: a plan
-        spanning groups stays on the link between them, and one past a node stays off the
-        intra-node link."""
-        if replicas <= 1:
-            return 0.0
-        used = [g for g, u in enumerate(usage) if u]
-        if len(used) > 1:
-            links = [self.between]
-        elif used:
-            g = used[0]
-            links = [self.between, self.inter[g]]
-            if usage[g] <= self.per_node[g]:
-                links.append(self.intra[g])
-        else:
-            links = [self.between, *self.intra, *self.inter]
-        return min(2 * (replicas - 1) / replicas * sigma / link.bandwidth_bytes_per_s
-                   + 2 * (replicas - 1) * self.layers * link.latency_s for link in links)
-
-    def too_slow(self, step_s: float) -> bool:
-        """Whether a step this long misses the throughput floor."""
-        return self.min_throughput > 0 and step_s > 0 and self.batch / step_s < self.min_throughput
-
-    def price(self, usage: Sequence[int]) -> float:
-        """Dollars per hour of ``usage`` devices per group."""
-        return sum(u * p for u, p in zip(usage, self.prices, strict=True))
-
-    def value(self, step_s: float, price_per_hour: float) -> float:
-        """The objective of a step this long at this price."""
-        return step_s * price_per_hour / 3600.0 if self.cost else step_s
-
-    def hopeless(self, fill_s: float, bottleneck_s: float, cap: int, step: int, sigma: float,
-                 update_s: float, usage: Sequence[int]) -> bool:
-        """Whether no plan with a replica at least this slow, memory-bound, synchronisation-
-        and update-heavy and large (every figure can only grow as stages are added) beats
-        :attr:`best`: alone (``R = 1``) it runs all ``M`` microbatches; with others the
-        synchronisation of two replicas on the fastest link is the least it adds."""
-        alone = (fill_s + (self.total - 1) * bottleneck_s
-                 if cap >= self.total and self.total % step == 0 else math.inf)
-        shared = fill_s + self.sync_floor(2, sigma, usage) if self.total >= 2 else math.inf
-        step_s = min(alone, shared) + update_s
-        if step_s == math.inf or self.too_slow(step_s):
-            return True
-        return self.value(step_s, self.price(usage)) >= self.best
 
 
 def _usage_le(a: Sequence[int], b: Sequence[int], safe: Sequence[bool]) -> bool:
@@ -208,7 +138,7 @@ class _Types:
         if key not in self._hops:
             problem = self.problem
             if g != cls[0]:
-                link = problem.between_groups
+                link = group_link(problem, g, cls[0])
             else:
                 group = problem.groups[g]
                 link = (group.intra_node if cls[1][self.position[g, d]] else group.inter_node)
@@ -307,22 +237,29 @@ def _insert(bucket: list[Label], new: Label, better: Callable[[Label, Label], bo
 
 
 def replica_shapes(problem: PipelineProblem, mb: int, schedule: Schedule, v: int,
-                   bound: PlanBound) -> tuple[list[Shape], int]:
+                   bound: PlanBound, deadline: float = math.inf,
+                   types: _Types | None = None) -> tuple[list[Shape], int]:
     """The undominated replica shapes for one microbatch size, schedule and chunk count that
-    could beat ``bound.best``, and how many labels the dynamic program kept."""
-    types = _Types(problem, mb)
+    could beat ``bound.best``, and how many labels the dynamic program kept.
+
+    Raises:
+      SearchTimeout: past ``deadline``.
+    """
+    types = types or _Types(problem, mb)
     total = problem.batch // mb
     if schedule == "interleaved" and v > 1:
-        shapes, labels = _interleaved(problem, types, schedule, v, total, bound)
+        shapes, labels = _interleaved(problem, types, schedule, v, total, bound, deadline)
     else:  # GPipe, 1F1B, or interleaving with one chunk (contiguous stages, Megatron's count)
-        shapes, labels = _linear(problem, types, schedule, total, bound)
-    return _undominated(shapes, bound.safe), labels
+        shapes, labels = _linear(problem, types, schedule, total, bound, deadline)
+    return _undominated(shapes, bound.safe, deadline), labels
 
 
-def _undominated(shapes: list[Shape], safe: Sequence[bool]) -> list[Shape]:
+def _undominated(shapes: list[Shape], safe: Sequence[bool],
+                 deadline: float = math.inf) -> list[Shape]:
     """``shapes`` less every one another dominates (rule S), in a fixed order."""
     out: list[Shape] = []
     for s in sorted(shapes, key=_order):
+        check_deadline(deadline)
         if not any(shape_dominates(o, s, safe) for o in out):
             out = [o for o in out if not shape_dominates(s, o, safe)]
             out.append(s)
@@ -348,7 +285,7 @@ def shape_of(problem: PipelineProblem, mb: int, schedule: Schedule, v: int,
         usage[st.group] += st.devices
         cap = min(cap, stage_cap(schedule, state, act, mb, problem.groups[st.group].memory_bytes,
                                  total, i, k, v))
-        seconds, bott, sigma, update = seconds + t, max(bott, t), sigma + sg, max(update, up)
+        seconds, bott, sigma, update = seconds + t, max(bott, t), max(sigma, sg), max(update, up)
     stage_of = {layer: i for i, st in enumerate(stages) for layer in st.layers}
     order = ([layer for st in stages for layer in st.layers] if v == 1 else
              [layer for c in range(v) for st in stages
@@ -407,7 +344,7 @@ def _hop(problem: PipelineProblem, a: tuple[int, int], b: tuple[int, int], last:
 
 
 def _linear(problem: PipelineProblem, types: _Types, schedule: Schedule, total: int,
-            bound: PlanBound) -> tuple[list[Shape], int]:
+            bound: PlanBound, deadline: float) -> tuple[list[Shape], int]:
     """GPipe / 1F1B: stages of contiguous layers, built from the last one backwards."""
     n, n_groups = len(problem.layers), len(problem.groups)
     mems = [problem.groups[g].memory_bytes for g, _, _ in types.types]
@@ -429,6 +366,7 @@ def _linear(problem: PipelineProblem, types: _Types, schedule: Schedule, total: 
         for key in sorted((k for k in buckets if k[0] == j), key=repr):
             front = key[1]
             for lab in buckets[key]:
+                check_deadline(deadline)
                 usage, sec, bott, cap, sig, upd, p = lab[:7]
                 if problem.max_stages and p >= problem.max_stages:
                     continue
@@ -448,8 +386,8 @@ def _linear(problem: PipelineProblem, types: _Types, schedule: Schedule, total: 
                         if scap < 1:
                             break
                         nsec, nbott, ncap = sec + t + c, max(bott, t, c), min(cap, scap)
-                        nupd, nsig = max(upd, up), sig + sg
-                        if bound.hopeless(nsec, nbott, ncap, 1, nsig, nupd, nu):
+                        nupd, nsig = max(upd, up), max(sig, sg)
+                        if bound.hopeless(nsec, nbott, ncap, 1, nsig, nupd, nu, i):
                             break
                         new = (nu, nsec, nbott, ncap, nsig, nupd, p + 1, lab,
                                (ti, tuple(range(i, j))))
@@ -476,7 +414,7 @@ def _shape(types: _Types, lab: Label, v: int, step: int) -> Shape:
 
 
 def _interleaved(problem: PipelineProblem, types: _Types, schedule: Schedule, v: int,
-                 total: int, bound: PlanBound) -> tuple[list[Shape], int]:
+                 total: int, bound: PlanBound, deadline: float) -> tuple[list[Shape], int]:
     """Interleaved: for each stage count ``k`` whose ``k v`` chunks cut the layers evenly, a
     dynamic program over the stages front to back (the state keeps the first stage's sub-mesh
     for the hops that wrap from the last stage to the first)."""
@@ -508,6 +446,7 @@ def _interleaved(problem: PipelineProblem, types: _Types, schedule: Schedule, v:
             for key in sorted(level, key=repr):
                 first, prev = key
                 for lab in level[key]:
+                    check_deadline(deadline)
                     usage, sec, bott, cap, sig, upd = lab[:6]
                     for ti, (g, d, _r) in enumerate(types.types):
                         agg = sums[i][ti]
@@ -532,10 +471,10 @@ def _interleaved(problem: PipelineProblem, types: _Types, schedule: Schedule, v:
                                 nbott = max(nbott, h)
                         nupd, ncap = max(upd, up), min(cap, scap)
                         nu = (*usage[:g], usage[g] + d, *usage[g + 1:])
-                        if bound.hopeless(nsec / v, nbott, ncap - ncap % k, k, sig + sg, nupd,
-                                           nu):
+                        nsig = max(sig, sg)
+                        if bound.hopeless(nsec / v, nbott, ncap - ncap % k, k, nsig, nupd, nu):
                             continue
-                        new = (nu, nsec, nbott, ncap, sig + sg, nupd, i + 1, lab,
+                        new = (nu, nsec, nbott, ncap, nsig, nupd, i + 1, lab,
                                (ti, layers_of[i]))
                         nkey = (first if first is not None else cls, cls)
                         kept += _insert(nxt.setdefault(nkey, []), new, better)

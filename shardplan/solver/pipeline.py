@@ -53,18 +53,20 @@ Step time (:func:`evaluate_pipeline`), per replica with ``k`` stages and ``m`` m
 * GPipe and 1F1B: ``T_r = sum(t) + sum(c) + (m - 1) * max(max(t), max(c, default=0))``;
 * interleaved with ``v`` chunks: ``T_r = (sum(t) + sum(c)) / v + (m - 1) * max(max(t),
   max(c, default=0))`` (the pipeline fills and drains one chunk at a time);
-* gradient synchronisation across replicas (``R > 1``), not overlapped
-  (:func:`sync_s`): every layer's gradient is ring all-reduced across the replicas, one layer
-  after another; a device of replica ``r`` holds ``gradient_bytes / d_r(layer)`` of it
-  (``d_r``: the devices of the replica's stage holding the layer) and the busiest replica sets
-  the pace: ``2 (R - 1) / R * max_r sigma_r / bandwidth + 2 (R - 1) * n_layers * latency``
-  with ``sigma_r = sum_layers gradient_bytes / d_r(layer)``, on the plan's :func:`sync_link`.
-  (Equal to the per-layer ``2 (R - 1) / R * gradient_bytes / d / bandwidth + 2 (R - 1) *
-  latency`` summed over layers whenever the replicas hold each layer on equally many devices;
-  with unequal replicas it lets each replica's devices stream their shards at their own pace
-  instead of waiting, layer by layer, for the smallest holder. Both the busiest replica and
-  the plan-wide link keep the stage planner's search separable per replica.)
-* the update: ``max`` over all stages of the sum of their layers' ``update_s``.
+* gradient synchronisation across replicas (``R > 1``), not overlapped with the pipeline
+  (:func:`sync_s`): the stages of a replica hold disjoint devices, so each stage all-reduces
+  its own layers' gradients with the replicas holding the same layers, all stages at once,
+  one bucketed ring all-reduce per stage (Patarasuk & Yuan 2009: ``2 (R - 1)`` steps, each
+  moving ``1 / R`` of a device's shard). A device of stage ``s`` of replica ``r`` holds
+  ``sigma_{r,s} = sum_{layers of s} gradient_bytes / devices_s`` and the busiest device sets
+  the pace: ``sync = 2 (R - 1) / R * max_{r,s} sigma_{r,s} / bandwidth + 2 (R - 1) *
+  latency`` on the plan's :func:`sync_link`. (When replicas cut the layers differently, a
+  stage's layers meet several stages of another replica; the bytes each device sends are
+  still its ``2 (R - 1) / R`` share, and the latency is charged once, as if each device's
+  pieces went in one bucket.) Both the busiest stage and the plan-wide link keep the stage
+  planner's search separable per replica and stage.
+* the update: ``max`` over all stages of the sum of their layers' ``update_s``, after the
+  synchronisation (every stage updates at once).
 
 ``step_time = max_r T_r + sync + update``. The cost objective (``objective="cost"``) is
 ``step_time * sum(devices used * price_per_hour) / 3600`` dollars per step, subject to
@@ -75,7 +77,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -93,8 +95,11 @@ __all__ = [
     "StagePlacement",
     "check_pipeline",
     "evaluate_pipeline",
+    "group_link",
     "in_flight",
+    "slowest_link",
     "stage_link",
+    "stage_sigma",
     "sync_link",
     "sync_s",
 ]
@@ -196,7 +201,8 @@ class PipelineProblem:
       kinds: the layer kinds.
       layers: the kind index of each layer, in order.
       groups: the device groups.
-      between_groups: the per-device link between devices of different groups.
+      between_groups: the per-device link between devices of different groups (the default
+        for pairs of groups without an entry in ``group_links``).
       batch: the global batch in samples.
       microbatch_sizes: candidate microbatch sizes (each divides ``batch``).
       schedules: schedules to consider.
@@ -206,6 +212,11 @@ class PipelineProblem:
       objective: ``time`` (step time) or ``cost`` (dollars per step, subject to
         ``min_throughput`` samples per second).
       min_throughput: the cost objective's floor, samples per second.
+      group_links: per pair of group indices ``(a, b)``, ``a < b``, the per-device link between
+        those two groups where it differs from ``between_groups``.
+      time_limit_s: the stage planner's wall-clock budget: past it, the search stops and
+        returns the best plan found with a proven lower bound
+        (:class:`~shardplan.solver.stages.SolveStats`).
     """
 
     kinds: tuple[LayerKind, ...]
@@ -220,6 +231,8 @@ class PipelineProblem:
     max_stages: int = 0
     objective: Literal["time", "cost"] = "time"
     min_throughput: float = 0.0
+    group_links: Mapping[tuple[int, int], Link] = field(default_factory=dict)
+    time_limit_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -298,27 +311,56 @@ def in_flight(schedule: Schedule, stage: int, stages: int, microbatches: int,
     return min(microbatches * v, 2 * (stages - stage - 1) + (v - 1) * stages + 1) / v
 
 
+def group_link(problem: PipelineProblem, a: int, b: int) -> Link:
+    """The per-device link between groups ``a != b``: their ``group_links`` entry, else
+    ``between_groups``."""
+    return problem.group_links.get((min(a, b), max(a, b)), problem.between_groups)
+
+
 def stage_link(problem: PipelineProblem, a: StagePlacement, b: StagePlacement) -> Link:
-    """The link activations cross between two stages: ``between_groups`` across groups; inside
+    """The link activations cross between two stages: :func:`group_link` across groups; inside
     a group the intra-node link when both sub-meshes fit in one node together, else the
     inter-node link."""
     if a.group != b.group:
-        return problem.between_groups
+        return group_link(problem, a.group, b.group)
     g = problem.groups[a.group]
     return g.intra_node if a.devices + b.devices <= g.devices_per_node else g.inter_node
 
 
+def slowest_link(links: Iterable[Link]) -> Link:
+    """The least bandwidth and the largest latency of ``links`` (not empty), as one link.
+
+    A ring all-reduce over devices of several groups crosses the links between them; each of
+    its ``2 (R - 1)`` steps lasts as long as its slowest hop, which is no shorter than the
+    hop over the least bandwidth nor than the one with the largest latency. Taking both
+    bounds from possibly different links is conservative, and it is monotone: more links
+    never give a faster result (bandwidth no higher, latency no lower), which the stage
+    planner's bounds rely on. Equal links give that link back.
+    """
+    links = list(links)
+    return Link(min(link.bandwidth_bytes_per_s for link in links),
+                max(link.latency_s for link in links))
+
+
 def sync_link(problem: PipelineProblem, plan: PipelinePlan) -> Link:
-    """The link the cross-replica gradient all-reduce runs on: ``between_groups`` when the
-    plan's stages that hold layers span more than one group; else the group's intra-node link
-    when all those stages' devices fit in one node, otherwise its inter-node link."""
+    """The link the cross-replica gradient all-reduce runs on. When the plan's stages that
+    hold layers span several groups: :func:`slowest_link` over :func:`group_link` of every
+    pair of those groups. Inside one group: its intra-node link when all those stages'
+    devices fit in one node, otherwise its inter-node link."""
     holders = [s for r in plan.replicas for s in r.stages if s.layers]
-    groups = {s.group for s in holders}
+    groups = sorted({s.group for s in holders})
     if len(groups) > 1:
-        return problem.between_groups
+        return slowest_link(group_link(problem, a, b)
+                            for a, b in itertools.combinations(groups, 2))
     g = problem.groups[holders[0].group]
     total = sum(s.devices for s in holders)
     return g.intra_node if total <= g.devices_per_node else g.inter_node
+
+
+def stage_sigma(problem: PipelineProblem, stage: StagePlacement) -> float:
+    """``sigma_{r,s}``: the gradient bytes one device of ``stage`` all-reduces."""
+    return sum(problem.kinds[problem.layers[layer]].gradient_bytes / stage.devices
+               for layer in stage.layers)
 
 
 def sync_s(problem: PipelineProblem, plan: PipelinePlan) -> float:
@@ -327,14 +369,9 @@ def sync_s(problem: PipelineProblem, plan: PipelinePlan) -> float:
     r = len(plan.replicas)
     if r == 1:
         return 0.0
-    grads = [problem.kinds[k].gradient_bytes for k in problem.layers]
-    sigma = 0.0
-    for replica in plan.replicas:
-        devices = {layer: s.devices for s in replica.stages for layer in s.layers}
-        sigma = max(sigma, sum(grads[layer] / devices[layer] for layer in range(len(grads))))
+    sigma = max(stage_sigma(problem, s) for replica in plan.replicas for s in replica.stages)
     link = sync_link(problem, plan)
-    return (2 * (r - 1) / r * sigma / link.bandwidth_bytes_per_s
-            + 2 * (r - 1) * len(grads) * link.latency_s)
+    return 2 * (r - 1) / r * sigma / link.bandwidth_bytes_per_s + 2 * (r - 1) * link.latency_s
 
 
 def _linear(coefficients: tuple[float, float], mb: int) -> float:

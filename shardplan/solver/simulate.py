@@ -34,12 +34,16 @@ The model
   ``v - 1 - (s mod k v) // k`` for the ``s``-th forward / backward, microbatch
   ``(s // k v) k + s mod k``. (Megatron before core 0.7 ran every forward first when
   ``m == k``; the simulator follows the current code, which only caps ``W`` at ``m v``.)
-* **Synchronisation.** When every replica has finished its backward passes, each layer's
-  gradient is ring all-reduced across the ``R`` replicas, one layer after another, each
-  replica's devices streaming the shards they hold (``gradient_bytes / d`` on a stage of ``d``
-  devices): ``2 (R - 1) / R * max_r sigma_r / bandwidth + 2 (R - 1) n_layers latency`` on
-  :func:`~shardplan.solver.pipeline.sync_link` (``sigma_r``: the bytes a device of replica
-  ``r`` holds, summed over layers). Then the optimizer update, as long as the slowest stage's.
+* **Synchronisation.** Not overlapped with the pipeline: it starts when every replica has
+  finished its backward passes. Each stage holds its layers' gradients on its own devices
+  (``gradient_bytes / d`` of each layer per device on a stage of ``d``) and all-reduces them in
+  one bucket with the stages of the other replicas that hold the same layers: a ring
+  all-reduce (Patarasuk & Yuan 2009) of ``2 (R - 1)`` steps, each sending ``1 / R`` of the
+  device's bucket, ``latency + bucket / (R bandwidth)`` per step on
+  :func:`~shardplan.solver.pipeline.sync_link`. Stages that share a layer, directly or through
+  others, form one all-reduce group; a ring moves at its slowest member's pace, so a group
+  finishes with its longest member; all groups run at once. A stage then runs its optimizer
+  update (the sum of its layers' ``update_s``) as soon as its own group has finished.
 * **Memory.** A forward stores its chunk's activations (``mb * activation_bytes[remat]``
   summed over the chunk's layers) when it starts; the matching backward frees them when it
   ends. The peak per device is the state bytes plus the largest sum held at once.
@@ -79,6 +83,14 @@ two transfers, ``f'`` / ``b'`` the stage forwards / backwards with every hop's o
   ``state + mb * max_x (sum_{s<=W+x} a[(s mod k v) // k] - sum_{s<x} a[v - 1 - (s mod k v)
   // k])`` over the steady-state steps ``0 <= x < m v - W`` (``a`` per local chunk; all ``m v``
   forwards when ``W = m v``), not ``in_flight * sum a``.
+
+* **Synchronisation and update.** The closed form charges ``max sync + max update``; the
+  simulator ends the step at ``max`` over stages of (its group's all-reduce + its update),
+  which is no later, and equal whenever the stage with the longest update sits in the
+  all-reduce group that finishes last (always with one replica, and when the replicas cut the
+  layers alike into stages of equal gradient bytes per device and updates). The gap is at
+  most the smaller of the two terms; the update is the optimizer's pass over the state, tens of
+  milliseconds against a step of seconds.
 
 Example:
     >>> from shardplan.solver.pipeline import (DeviceGroup, LayerKind, LayerOption, Link,
@@ -154,9 +166,10 @@ class Simulation:
     """What the simulated step took.
 
     Attributes:
-      step_time_s: ``max(replica_time_s) + sync_s + update_s``.
+      step_time_s: ``max(replica_time_s)`` plus the last stage's all-reduce group and
+        update (at most ``sync_s + update_s``; the module docstring).
       replica_time_s: each replica's pipeline time (its last compute task's end).
-      sync_s: the cross-replica gradient all-reduce.
+      sync_s: the cross-replica gradient all-reduce (the all-reduce group that ends last).
       update_s: the optimizer update (slowest stage).
       bubble_fraction: idle device-seconds over all devices' seconds during the pipeline phase
         ``[0, max(replica_time_s)]`` (a replica that finishes early idles until the sync).
@@ -377,22 +390,44 @@ def _peak(order: Sequence[Step], stage: _Stage) -> tuple[float, int]:
     return peak, peak_count
 
 
-def _sync_update_s(problem: PipelineProblem, plan: PipelinePlan) -> tuple[float, float]:
-    """The ring all-reduce of every layer's gradient across replicas (Patarasuk & Yuan 2009:
-    ``2 (R - 1)`` steps of ``1 / R`` of the data), layer after layer, each replica's devices
-    streaming the shards they hold, so the replica holding the most bytes per device sets the
-    pace; then the slowest stage's update."""
+def _sync_update_s(problem: PipelineProblem, plan: PipelinePlan) -> tuple[float, float, float]:
+    """``(sync, update, sync and update)`` after the pipeline phase (the module docstring): the
+    longest all-reduce group, the longest stage update, and the last stage to finish its
+    update after its group's all-reduce."""
     n_replicas = len(plan.replicas)
-    sync = 0.0
-    if n_replicas > 1:
-        link = sync_link(problem, plan)
-        held = max(sum(problem.kinds[problem.layers[layer]].gradient_bytes / s.devices
-                       for s in rep.stages for layer in s.layers) for rep in plan.replicas)
-        sync = (2 * (n_replicas - 1) / n_replicas * held / link.bandwidth_bytes_per_s
-                + 2 * (n_replicas - 1) * len(problem.layers) * link.latency_s)
-    update = max(sum(o.update_s for o in _options(problem, s))
-                 for rep in plan.replicas for s in rep.stages)
-    return sync, update
+    stages = [(r, i) for r, rep in enumerate(plan.replicas) for i in range(len(rep.stages))]
+    update = {(r, i): sum(o.update_s for o in _options(problem, plan.replicas[r].stages[i]))
+              for r, i in stages}
+    if n_replicas == 1:
+        return 0.0, max(update.values()), max(update.values())
+    link = sync_link(problem, plan)
+    ring = {}
+    for r, i in stages:
+        stage = plan.replicas[r].stages[i]
+        bucket = sum(problem.kinds[problem.layers[x]].gradient_bytes
+                     for x in stage.layers) / stage.devices
+        ring[r, i] = 2 * (n_replicas - 1) * (link.latency_s + bucket / n_replicas
+                                               / link.bandwidth_bytes_per_s)
+    # All-reduce groups: stages joined by a layer they both hold (union-find).
+    parent = {key: key for key in stages}
+
+    def root(key: tuple[int, int]) -> tuple[int, int]:
+        while parent[key] != key:
+            key = parent[key]
+        return key
+
+    holder: dict[int, tuple[int, int]] = {}
+    for r, i in stages:
+        for x in plan.replicas[r].stages[i].layers:
+            if x in holder:
+                parent[root((r, i))] = root(holder[x])
+            else:
+                holder[x] = (r, i)
+    group_end: dict[tuple[int, int], float] = {}
+    for key in stages:
+        group_end[root(key)] = max(group_end.get(root(key), 0.0), ring[key])
+    done = max(group_end[root(key)] + update[key] for key in stages)
+    return max(group_end.values()), max(update.values()), done
 
 
 def simulate(problem: PipelineProblem, plan: PipelinePlan, /, *,
@@ -445,7 +480,7 @@ def simulate(problem: PipelineProblem, plan: PipelinePlan, /, *,
         state = [sum(o.state_bytes for o in _options(problem, s)) for s in rep.stages]
         peaks.append(tuple(st + h for st, (h, _) in zip(state, held, strict=True)))
         counts.append(tuple(c for _, c in held))
-    sync, update = _sync_update_s(problem, plan)
+    sync, update, finish = _sync_update_s(problem, plan)
     events: tuple[Event, ...] = ()
     if timeline:
         events = tuple(sorted(
@@ -453,7 +488,7 @@ def simulate(problem: PipelineProblem, plan: PipelinePlan, /, *,
                    t.to_stage) for key, t in tasks.items()),
             key=lambda e: (e.start_s, e.replica, e.stage, e.kind, e.microbatch, e.chunk)))
     return Simulation(
-        step_time_s=pipe + sync + update, replica_time_s=tuple(times), sync_s=sync,
+        step_time_s=pipe + finish, replica_time_s=tuple(times), sync_s=sync,
         update_s=update,
         bubble_fraction=overall_idle / (sum(devices) * pipe) if pipe > 0 else 0.0,
         replica_bubble_fraction=tuple(idle[r] / (devices[r] * times[r]) if times[r] > 0

@@ -1,4 +1,4 @@
-"""The stage planner: the exact best pipeline plan of a :class:`PipelineProblem`.
+"""The stage planner: the best pipeline plan of a :class:`PipelineProblem`.
 
 :func:`solve_pipeline` returns the plan that minimises
 :func:`~shardplan.solver.pipeline.evaluate_pipeline`'s step time (``objective="time"``) or
@@ -6,7 +6,10 @@ its cost per step subject to the throughput floor (``"cost"``), over every plan
 :func:`~shardplan.solver.pipeline.check_pipeline` accepts: replicas that differ in stages,
 sub-meshes and groups, uneven microbatch counts, stages of different lengths, one remat per
 stage, and every candidate microbatch size, schedule and chunk count. The search is exact: it
-drops a candidate only by one of the rules below, each of which keeps an optimal plan.
+drops a candidate only by one of the rules below, each of which keeps an optimal plan. It is
+also bounded in time (``PipelineProblem.time_limit_s``): past the limit it returns the best
+plan found so far with ``stats.optimal = False`` and ``stats.lower_bound``, a proven floor
+under every plan's objective (rule F).
 
 Algorithm
 ---------
@@ -16,23 +19,30 @@ Per configuration (microbatch size ``mb``, schedule, chunks ``v``; ``M = batch /
    is a *shape*; the plan sees its devices per group ``u``, its pipeline time
    ``T(m) = A + (m - 1) B`` (``A = (sum t + sum c) / v``, ``B = max(max t, max c)``), the most
    microbatches its memory holds ``cap``, the granularity ``step`` (``k`` when interleaved),
-   ``sigma = sum_layers gradient_bytes / devices`` and ``U``, its slowest stage's update. A
+   ``sigma``, the largest gradient bytes a device of one of its stages all-reduces
+   (:func:`~shardplan.solver.pipeline.sync_s`), and ``U``, its slowest stage's update. A
    dynamic program builds shapes from the last stage backwards (a stage's 1F1B in-flight
    count depends on its distance ``p`` from the end); interleaved shapes, whose stages hold
-   fixed chunks, from the first stage forwards. Labels are pruned by rules L, I and B; the
+   fixed chunks, from the first stage forwards. Labels are pruned by rules L, I, B and F; the
    finished shapes by rule S.
 2. **Mixing** (:mod:`shardplan.solver._mix`). For a pipeline-time bound ``tau`` a shape runs
    any multiple of its step up to ``c(tau)``, the most with ``T(m) <= tau`` that its memory
    holds. A knapsack over shapes builds, per replica count ``r`` and set of groups used, the
    states ``(u, reachable microbatch totals as a bitmask, max sigma, max U, price)``, pruned
-   by rules K and B; a state that reaches ``M`` is a plan whose objective at ``tau`` is
+   by rules K, B and F; a state that reaches ``M`` is a plan whose objective at ``tau`` is
    ``tau + sync(r, link(u), sigma) + U`` (times its price under ``cost``). Rule T sweeps ``tau``
    over the breakpoints ``T(m)`` of all shapes.
 
-Phase 1 does this with *uniform* shapes only (one stage type, even layers) for every
-configuration: a quick first plan. Phase 2 runs the full search for every configuration, the
-most promising first, each bounded by the best plan so far (rule B), and keeps a plan only if
-strictly better (ties keep the earlier one: same inputs, same plan).
+Every configuration first gets its fluid floor (rule F, :mod:`shardplan.solver._bound`).
+Phase 1 builds a quick plan per configuration, least floor first, from *uniform* replicas
+(every stage of a replica on one group and sub-mesh size; :mod:`shardplan.solver._quick`, with
+:mod:`shardplan.solver._uniform` when all layers are one kind): a first plan to bound the
+search, found in about a second for GPT-3 on a thousand GPUs. Phase 2 runs the full search
+for every configuration whose floor is below the best plan, the most promising first, each
+bounded by the best plan so far (rules B and F), and keeps a plan only if strictly better
+(ties keep the earlier one: same inputs, same plan, as long as the search ends within its
+time limit; a search cut by the limit stops where the clock says). A configuration cut by the
+limit leaves its floor as the lower bound.
 
 Why each rule keeps an optimal plan
 -----------------------------------
@@ -43,7 +53,10 @@ in the link of the synchronisation where that link gets slower; floating-point `
 for the doubles compared. A group is *safe* when its intra-node link is no slower than its
 inter-node one (bandwidth ``>=``, latency ``<=``): then using fewer of its devices never slows
 the synchronisation (the link is chosen by the plan's groups and device total,
-:func:`~shardplan.solver.pipeline.sync_link`). Prices must be ``>= 0`` under ``cost``.
+:func:`~shardplan.solver.pipeline.sync_link`). A plan on several groups synchronises on the
+least bandwidth and the largest latency among the links between its groups
+(:func:`~shardplan.solver.pipeline.slowest_link`), so using more groups never makes it
+faster. Prices must be ``>= 0`` under ``cost``.
 
 * **S (shape dominance).** Shape ``a`` replaces ``b`` in any plan, with ``b``'s microbatch
   count ``m``, without a worse objective when ``A, B, sigma, U`` are ``<=``, ``cap >=``,
@@ -57,7 +70,8 @@ the synchronisation (the link is chosen by the plan's groups and device total,
   devices as in S and (1F1B, interleaving with one chunk, or ``max_stages``) no more stages,
   then prefix + ``a`` dominates prefix + ``b`` by S: the prefix's stages sit no farther from
   the end, so their in-flight counts ``min(m, p)`` are no higher, and the stage count is no
-  higher. GPipe memory does not depend on ``p``.
+  higher. GPipe memory does not depend on ``p``. (``sigma`` and ``U`` are maxima over stages,
+  so the prefix adds the same to both.)
 * **I (labels of the interleaved program).** For a fixed stage count ``k`` and stage index,
   labels with the same first and previous (group, sub-mesh size) meet every completion through
   the same hops (the last stage's wrap-around hops go to the first stage); the rest is as L.
@@ -65,12 +79,25 @@ the synchronisation (the link is chosen by the plan's groups and device total,
   devices only grow and ``cap`` only shrinks. A plan that contains the shape either runs it
   alone (``R = 1``: step ``>= A + (M - 1) B + U``, only if ``cap >= M``) or with others (step
   ``>= A + sync(2, link, sigma) + U``, ``link`` the fastest a plan using these groups and
-  devices can have: ``between_groups`` once two groups are used, not intra-node once past a
+  devices can have: the slowest link between its groups once two are used; for one group its
+  inter-node link, its links to the other groups, and the intra-node link while within a
   node). If neither beats the best objective (at no less than this price), or the step misses
   the throughput floor, no completion can: the label goes. In the knapsack the same bound with
   ``r`` replicas (more may join) prunes states, with ``tau`` the current sweep point. In the
   backward program a stage that is hopeless, does not fit or lacks an option stays so when
   extended by one more layer (every sum grows), so the loop over its first layer stops there.
+* **F (the fluid floor).** Any plan of a configuration with ``R`` replicas and pipeline time
+  ``tau`` has ``M - R <= F(tau)``, the groups' fluid capacity (the proof is in
+  :mod:`shardplan.solver._bound`); with the least synchronisation and update of ``R``
+  replicas on the groups used, this floors every plan of the configuration, so a
+  configuration whose floor is not below the best plan holds no better one. Applied to part of
+  a plan (time objective): a suffix label whose replica, when it does not win alone, runs at
+  most ``c`` microbatches by ``tau = best - sync - U`` (its fill counted with at least the
+  fastest time of every layer still in front of it), and a knapsack state whose replicas run
+  at most ``c`` by its ``tau``, cannot complete to a better plan when ``c`` plus the fluid
+  capacity of the devices they leave plus the replicas that may still join is below ``M``.
+  Every term only worsens as a label grows, so the loop over a stage's first layer still stops
+  at the first hopeless length.
 * **K (knapsack states).** States with the same replica count and groups used: one with
   ``u`` as in S, reachable totals ``a superset``, ``sigma``, ``U`` and price ``<=`` meets every
   completion at least as well.
@@ -90,11 +117,14 @@ Floating point: memory and the throughput floor are checked with
 order, the same in-flight formula), so feasibility agrees exactly. Objectives are compared on
 sums accumulated in another order (stages backwards, ``sigma`` per stage), so two plans equal
 to the last bit in one order can differ by an ulp in the other: the returned evaluation is
-``evaluate_pipeline``'s, equal to any other optimum's within ``1e-12`` relative.
+``evaluate_pipeline``'s, equal to any other optimum's within ``1e-12`` relative. Rule F's
+floors are taken ``1e-9`` relative below their real-arithmetic value.
 
 Cost: exponential in the worst case (the number of undominated shapes grows with the layers,
-devices and sub-mesh sizes); the bounds make problems of tens of layers and devices take
-seconds (``tests/test_stage_planner.py`` checks the search against a brute force).
+devices and sub-mesh sizes); problems of tens of layers and devices take seconds
+(``tests/test_stage_planner.py`` checks the search against a brute force). GPT-3 on hundreds
+of GPUs per type is out of the exact search's reach: there the quick plan and the fluid floor
+come back at the time limit (``benchmarks/stage_scale.py``).
 
 Example:
     >>> from shardplan.solver.pipeline import (DeviceGroup, LayerKind, LayerOption, Link,
@@ -115,14 +145,24 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from shardplan.errors import ConfigError, InfeasibleError, SolverError, format_error
+from shardplan.solver._bound import Fluid, PlanBound
 from shardplan.solver._mix import Mix, best_mix
-from shardplan.solver._shapes import PlanBound, replica_shapes, uniform_shapes
+from shardplan.solver._quick import quick_mix
+from shardplan.solver._shapes import (
+    SearchTimeout,
+    _Types,
+    check_deadline,
+    replica_shapes,
+    uniform_shapes,
+)
+from shardplan.solver._uniform import Family
 from shardplan.solver.pipeline import (
     PipelineEvaluation,
     PipelinePlan,
@@ -130,6 +170,7 @@ from shardplan.solver.pipeline import (
     Replica,
     Schedule,
     evaluate_pipeline,
+    group_link,
 )
 
 __all__ = [
@@ -152,6 +193,10 @@ class SolveStats:
       shapes: replica shapes left after dominance, summed over configurations.
       states: knapsack states built while mixing replicas.
       solve_time_s: wall time.
+      optimal: whether the plan is proven optimal (the search ended within the time limit).
+      lower_bound: no plan's objective is below this (the plan's own objective when
+        ``optimal``; else the least floor of the configurations left unsearched, rule F).
+      quick_s: wall time of phase 1 (the quick plans of every configuration).
     """
 
     configs: int
@@ -159,6 +204,9 @@ class SolveStats:
     shapes: int
     states: int
     solve_time_s: float
+    optimal: bool = True
+    lower_bound: float = 0.0
+    quick_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -298,6 +346,9 @@ def solve_pipeline(problem: PipelineProblem, /) -> PipelineSolution:
     """The plan minimising :func:`~shardplan.solver.pipeline.evaluate_pipeline`'s step time
     (``objective="time"``) or cost per step subject to the throughput floor (``"cost"``).
 
+    Exact when the search ends within ``problem.time_limit_s`` (``stats.optimal``); otherwise
+    the best plan found, with ``stats.lower_bound`` below every plan's objective.
+
     Args:
       problem: the layer cost tables, device groups and candidates.
 
@@ -307,39 +358,67 @@ def solve_pipeline(problem: PipelineProblem, /) -> PipelineSolution:
     Raises:
       PipelineInfeasibleError: no plan is feasible (an :class:`InfeasibleError` carrying an
         :class:`InfeasibilityReport`).
+      SolverError: the time limit passed before any plan was found.
       ConfigError: a negative device price under the cost objective.
     """
     start = time.perf_counter()
+    deadline = start + problem.time_limit_s
     bound_for = _bounds(problem)
     configs = _configs(problem)
+    fluids = [Fluid(problem, mb, schedule, v) for mb, schedule, v in configs]
+    floors = [fluid.bound() for fluid in fluids]
+    types: dict[int, _Types] = {}
+    tables: dict[int, dict] = {}
     best_value = math.inf
     best: tuple[Mix, int, Schedule, int] | None = None
     labels = n_shapes = n_states = 0
-    # Phase 1: uniform replicas only, a quick plan for every configuration.
-    quick = []
-    for mb, schedule, v in configs:
-        bound = bound_for(mb, best_value)
-        shapes = uniform_shapes(problem, mb, schedule, v, bound.safe)
-        mix = best_mix(problem, shapes, bound) if shapes else None
-        quick.append(mix.value if mix is not None else math.inf)
-        if mix is not None:
-            n_states += mix.states
-            if mix.value < best_value:
-                best_value, best = mix.value, (mix, mb, schedule, v)
-    # Phase 2: every replica shape, the most promising configuration first.
-    for i in sorted(range(len(configs)), key=lambda i: (quick[i], i)):
+    # Phase 1: uniform replicas only, a quick plan per configuration, least floor first.
+    quick = [math.inf] * len(configs)
+    for i in sorted(range(len(configs)), key=lambda i: (floors[i], i)):
         mb, schedule, v = configs[i]
-        bound = bound_for(mb, best_value)
-        shapes, kept = replica_shapes(problem, mb, schedule, v, bound)
-        labels, n_shapes = labels + kept, n_shapes + len(shapes)
-        mix = best_mix(problem, shapes, bound) if shapes else None
+        if floors[i] >= best_value or (best is not None and time.perf_counter() > deadline):
+            continue  # (past the deadline, only until there is a plan)
+        types.setdefault(mb, _Types(problem, mb))
+        mix = _quick(problem, mb, schedule, v, bound_for(mb, best_value, fluids[i]),
+                     fluids[i], types[mb], tables.setdefault(mb, {}),
+                     deadline if best is not None else math.inf)
+        if mix is not None:
+            quick[i] = mix.value
+            if mix.value < best_value:
+                best_value, best = mix.value, (mix, mb, schedule, v)
+    quick_s = time.perf_counter() - start
+    # Phase 2: every replica shape, the most promising configuration first (rule F skips a
+    # configuration whose floor cannot beat the best).
+    open_floors = []
+    for i in sorted(range(len(configs)), key=lambda i: (quick[i], floors[i], i)):
+        mb, schedule, v = configs[i]
+        if floors[i] >= best_value:
+            continue
+        try:
+            check_deadline(deadline)
+            bound = bound_for(mb, best_value, fluids[i])
+            types.setdefault(mb, _Types(problem, mb))
+            shapes, kept = replica_shapes(problem, mb, schedule, v, bound, deadline, types[mb])
+            labels, n_shapes = labels + kept, n_shapes + len(shapes)
+            mix = best_mix(problem, shapes, bound, deadline) if shapes else None
+        except SearchTimeout:
+            open_floors.append(floors[i])
+            continue
         if mix is not None:
             n_states += mix.states
             if mix.value < best_value:
                 best_value, best = mix.value, (mix, mb, schedule, v)
+    optimal = not open_floors
     if best is None:
-        raise PipelineInfeasibleError(infeasibility_report(problem),
-                                      tuple(g.name for g in problem.groups))
+        if optimal:
+            raise PipelineInfeasibleError(infeasibility_report(problem),
+                                          tuple(g.name for g in problem.groups))
+        raise SolverError(format_error(
+            f"The stage planner found no plan within its time limit of "
+            f"{problem.time_limit_s} s and could not prove that none exists.",
+            where="PipelineProblem.time_limit_s", value=problem.time_limit_s,
+            remedy="raise time_limit_s, or shrink the candidates (sub-mesh sizes, "
+                   "microbatch sizes, schedules, remats)"))
     mix, mb, schedule, v = best
     plan = PipelinePlan(tuple(Replica(shape.stages, m) for shape, m in mix.replicas), mb,
                         schedule, v if schedule == "interleaved" else 1)
@@ -348,12 +427,28 @@ def solve_pipeline(problem: PipelineProblem, /) -> PipelineSolution:
         raise SolverError(format_error(
             "The stage planner built a plan its own evaluator rejects.", where="solve_pipeline",
             value=evaluation.violations, remedy="report this with the problem"))
-    stats = SolveStats(len(configs), labels, n_shapes, n_states, time.perf_counter() - start)
+    value = evaluation.step_time_s if problem.objective == "time" else evaluation.cost_per_step
+    floor = value if optimal else min(value, *open_floors)
+    stats = SolveStats(len(configs), labels, n_shapes, n_states, time.perf_counter() - start,
+                       optimal, floor, quick_s)
     return PipelineSolution(plan, evaluation, stats)
 
 
-def _bounds(problem: PipelineProblem) -> Callable[[int, float], PlanBound]:
-    """A factory of :class:`PlanBound` for a microbatch size and the best objective so far."""
+def _quick(problem: PipelineProblem, mb: int, schedule: Schedule, v: int, bound: PlanBound,
+           fluid: Fluid, types: _Types, tables: dict, deadline: float) -> Mix | None:
+    """The quick plan of one configuration (:mod:`shardplan.solver._quick`): uniform replicas
+    of a problem of identical layers from :class:`~shardplan.solver._quick.Family`, else
+    :func:`~shardplan.solver._shapes.uniform_shapes`."""
+    if len(set(problem.layers)) == 1:
+        family = Family(problem, mb, schedule, v, types, tables)
+        return quick_mix(problem, family.shapes, bound, fluid, deadline, family.materialize)
+    shapes = uniform_shapes(problem, mb, schedule, v, bound.safe)
+    return quick_mix(problem, shapes, bound, fluid, deadline)
+
+
+def _bounds(problem: PipelineProblem) -> Callable[..., PlanBound]:
+    """A factory of :class:`PlanBound` for a microbatch size, the best objective so far and,
+    optionally, the configuration's fluid bound (rule F)."""
     if problem.objective == "cost":
         for g in problem.groups:
             if g.price_per_hour < 0:
@@ -362,15 +457,18 @@ def _bounds(problem: PipelineProblem) -> Callable[[int, float], PlanBound]:
                     value=g.price_per_hour, remedy="use a price of 0 or more per device-hour"))
     safe = tuple(g.intra_node.bandwidth_bytes_per_s >= g.inter_node.bandwidth_bytes_per_s
                  and g.intra_node.latency_s <= g.inter_node.latency_s for g in problem.groups)
+    pairs = {(a, b): group_link(problem, a, b)
+             for a, b in itertools.combinations(range(len(problem.groups)), 2)}
 
-    def bound_for(mb: int, best_value: float) -> PlanBound:
+    def bound_for(mb: int, best_value: float, fluid: Fluid | None = None) -> PlanBound:
         return PlanBound(
             best_value, problem.objective == "cost", problem.batch,
             problem.min_throughput if problem.objective == "cost" else 0.0,
-            problem.batch // mb, len(problem.layers), problem.between_groups,
+            problem.batch // mb, pairs,
             tuple(g.intra_node for g in problem.groups),
             tuple(g.inter_node for g in problem.groups),
             tuple(g.devices_per_node for g in problem.groups),
-            tuple(g.price_per_hour for g in problem.groups), safe)
+            tuple(g.price_per_hour for g in problem.groups), safe, fluid,
+            tuple(fluid.prefix_fill) if fluid is not None else ())
 
     return bound_for
