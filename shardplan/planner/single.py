@@ -1,7 +1,5 @@
-"""``make_plan`` for one mesh of one device type: trace, search meshes, solve, build the Plan.
-
-Multi-stage (pipelined, heterogeneous) plans are the stage planner's job; on a cluster with
-several device types this module refuses with a clear error rather than ignoring devices.
+"""``make_plan``: one mesh of one device type here (trace, search meshes, solve, build the
+Plan); multi-stage plans (pipelines, several device types) in :mod:`shardplan.planner.multi`.
 """
 
 from __future__ import annotations
@@ -11,17 +9,18 @@ import hashlib
 import json
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from shardplan.cluster import Cluster
 from shardplan.cost.memory import MemoryEstimate, estimate_memory
 from shardplan.cost.step import step_cost
-from shardplan.errors import InfeasibleError, PipelineError, format_error
+from shardplan.errors import ConfigError, InfeasibleError, PipelineError, format_error
 from shardplan.plan import MeshSpec, Plan, Predicted, Stage
 from shardplan.planner.decode import decode_constraints, decode_input_specs, placed_analysis
 from shardplan.planner.intraop import tie_layers
 from shardplan.planner.memory import MemoryPeak, memory_peaks
 from shardplan.planner.mesh import MeshChoice, best_mesh
+from shardplan.solver.pipeline import REMATS, SCHEDULES, Remat, Schedule
 from shardplan.trace import trace
 from shardplan.trace.graph import OpGraph
 
@@ -41,6 +40,28 @@ class PlanConfig:
       tie_periods: layer-tying periods to try (1: every block alike; 2: alternating pairs).
       max_mesh_axes: most logical mesh axes (see :mod:`shardplan.planner.mesh`; 3 makes
         the problem about 17 times larger).
+      memory_headroom: the fraction of each device's memory kept free (for the framework,
+        fragmentation and what the model does not see) when ``memory_budget_bytes`` is None.
+      pipeline: ``None``: multi-stage plans (the stage planner) on clusters with several device
+        types, one mesh otherwise; ``True``: the stage planner on any cluster; ``False``: one
+        mesh (refused on clusters with several device types).
+      microbatch_sizes: candidate microbatch sizes in samples (empty: the powers of two that
+        divide the batch, and the batch); stage planner only.
+      schedules: pipeline schedules to consider (``gpipe``, ``1f1b``, ``interleaved``).
+      remats: rematerialisation policies to consider per stage (``none``, ``selective``,
+        ``full``).
+      chunks: model chunks per stage the interleaved schedule may use.
+      max_stages: most stages per replica (0: no limit).
+      objective: ``"time"`` (minimum step time) or ``"cost"`` (minimum dollars per step at
+        the catalog's prices, subject to ``min_throughput``).
+      min_throughput: the cost objective's floor in samples per second.
+      reference_microbatch: the microbatch size (samples) the layer cost tables are solved
+        at; inside a stage the batch is then not split (data parallelism runs across
+        replicas).
+      stage_time_limit_s: the stage planner's budget: past it, the best plan found so far is
+        returned with a proven lower bound (``plan.solver["status"] == "feasible"``, a
+        :class:`~shardplan.errors.ShardplanWarning` gives the gap); small problems finish
+        within it, proven optimal.
     """
 
     memory_budget_bytes: float | None = None
@@ -48,6 +69,42 @@ class PlanConfig:
     relative_gap: float = 0.01
     tie_periods: tuple[int, ...] = (1, 2)
     max_mesh_axes: int = 2
+    memory_headroom: float = 0.1
+    pipeline: bool | None = None
+    microbatch_sizes: tuple[int, ...] = ()
+    schedules: tuple[Schedule, ...] = SCHEDULES
+    remats: tuple[Remat, ...] = REMATS
+    chunks: tuple[int, ...] = (2,)
+    max_stages: int = 0
+    objective: Literal["time", "cost"] = "time"
+    min_throughput: float = 0.0
+    reference_microbatch: int = 1
+    stage_time_limit_s: float = 3.0
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("memory_headroom", 0.0 <= self.memory_headroom < 1.0, "a fraction in [0, 1)"),
+            ("objective", self.objective in ("time", "cost"), "'time' or 'cost'"),
+            ("schedules", bool(self.schedules) and set(self.schedules) <= set(SCHEDULES),
+             f"a non-empty subset of {SCHEDULES}"),
+            ("remats", bool(self.remats) and set(self.remats) <= set(REMATS),
+             f"a non-empty subset of {REMATS}"),
+            ("chunks", all(isinstance(c, int) and c >= 2 for c in self.chunks),
+             "integers >= 2"),
+            ("microbatch_sizes", all(isinstance(m, int) and m >= 1
+                                     for m in self.microbatch_sizes), "positive integers"),
+            ("max_stages", isinstance(self.max_stages, int) and self.max_stages >= 0,
+             "an integer >= 0"),
+            ("min_throughput", self.min_throughput >= 0, "a number >= 0"),
+            ("reference_microbatch", isinstance(self.reference_microbatch, int)
+             and self.reference_microbatch >= 1, "an integer >= 1"),
+            ("stage_time_limit_s", self.stage_time_limit_s > 0, "a number of seconds > 0"),
+        ]
+        for name, ok, want in checks:
+            if not ok:
+                raise ConfigError(format_error(
+                    f"PlanConfig.{name} must be {want}.", where=f"PlanConfig.{name}",
+                    value=getattr(self, name), remedy=f"pass {want}"))
 
     def content_hash(self) -> str:
         text = json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -66,32 +123,47 @@ def graph_fingerprint(graph: OpGraph) -> str:
 
 def make_plan(train_step: Callable[..., Any], state: Any, batch: Any, /, *, cluster: Cluster,
               config: PlanConfig | None = None) -> Plan:
-    """Plans ``train_step(state, batch)`` on ``cluster`` (one device type) without running it.
+    """Plans ``train_step(state, batch)`` on ``cluster`` without running it.
+
+    On a cluster of one device type (and ``PlanConfig.pipeline`` not ``True``): one mesh over
+    all its devices, every op's sharding chosen by the intra-op ILP. With several device types
+    (or ``pipeline=True``): a multi-stage plan from the stage planner
+    (:func:`shardplan.planner.multi.make_pipeline_plan`): data-parallel replicas of pipeline
+    stages, each stage on a sub-mesh of one device type, with microbatches, schedule and remat.
 
     Args:
       train_step: ``(state, batch) -> (state, metrics)``.
       state: the state pytree (arrays or ``ShapeDtypeStruct``s).
-      batch: the batch pytree.
-      cluster: the cluster; its single device group is laid out as a mesh.
+      batch: the batch pytree (every leaf's leading axis is the samples).
+      cluster: the cluster.
       config: planning options.
 
     Returns:
-      A single-stage :class:`~shardplan.plan.Plan`.
+      The :class:`~shardplan.plan.Plan`.
 
     Raises:
-      PipelineError: the cluster has several device types (multi-stage plans are not built
-        here yet).
+      InfeasibleError: no plan fits the devices' memory (the message gives the per-device
+        lower bound and, per device type, the fewest devices that would hold the model).
+      PipelineError: ``pipeline=False`` on a cluster with several device types.
     """
     config = config or PlanConfig()
-    if len(cluster.groups) != 1:
+    several = len(cluster.groups) != 1
+    if config.pipeline or (config.pipeline is None and several):
+        from shardplan.planner.multi import make_pipeline_plan
+
+        return make_pipeline_plan(train_step, state, batch, cluster=cluster, config=config)
+    if several:
         raise PipelineError(format_error(
-            "This planner builds single-mesh plans; the cluster has several device types.",
+            "PlanConfig(pipeline=False) asks for one mesh, but the cluster has several device "
+            "types (XLA compiles one program for one device type).",
             where=f"cluster {cluster.name!r}", value=[g.name for g in cluster.groups],
-            remedy="plan on one group (Cluster.local(devices=...) or a one-group YAML); "
-                   "heterogeneous pipeline plans come with the stage planner"))
+            remedy="leave PlanConfig.pipeline at None (stages per device type), or plan on one "
+                   "group"))
     graph = trace(train_step, state, batch)
     group = cluster.groups[0]
-    budget = config.memory_budget_bytes or float(group.device.memory_bytes)
+    from shardplan.planner.multi import memory_budget
+
+    budget = memory_budget(config, group.device.memory_bytes)
     reduce_scatter = group.device.name != "cpu"  # XLA:CPU keeps all-reduce + slice
     # The ILP bounds the arguments; the predicted peak adds the step's intermediates. Where it
     # exceeds the budget, the buffers live at the peak become a constraint of their own (a

@@ -1,0 +1,389 @@
+"""Multi-stage plans: the step's layer cost tables, the stage planner, and the Plan.
+
+:func:`make_pipeline_plan` traces the train step at a small reference microbatch, builds the
+layer cost tables (:mod:`shardplan.planner.layer_costs`: per layer kind, device group and
+sub-mesh size, the intra-op solution's times and bytes), turns them and the cluster's groups
+and links into the plain-data :class:`~shardplan.solver.pipeline.PipelineProblem`
+(:func:`pipeline_problem`), solves it (:func:`~shardplan.solver.stages.solve_pipeline`), plays
+the plan out in the event simulator, places the stages on devices (:func:`allocate_devices`)
+and writes the :class:`~shardplan.plan.Plan`: stages with their replica, device type, devices,
+mesh, layers and remat; one *layout* (the intra-op shardings) per device group and sub-mesh;
+microbatches, schedule and the predicted figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from shardplan.cluster import Cluster
+from shardplan.cluster.link import Link as ClusterLink
+from shardplan.errors import ConfigError, format_error
+from shardplan.plan.plan import Layout, MeshSpec, Plan, Predicted, ReplicaSpec, Spec, Stage
+from shardplan.planner.decode import decode_input_specs
+from shardplan.planner.layer_costs import LayerCosts
+from shardplan.solver.pipeline import (
+    REMATS,
+    SCHEDULES,
+    DeviceGroup,
+    Link,
+    PipelineProblem,
+    Remat,
+    Schedule,
+)
+from shardplan.solver.simulate import Simulation, simulate
+from shardplan.solver.stages import PipelineSolution, solve_pipeline
+from shardplan.trace.graph import OpGraph
+
+if TYPE_CHECKING:
+    from shardplan.planner.single import PlanConfig
+
+__all__ = ["allocate_devices", "batch_size", "make_pipeline_plan", "memory_budget",
+           "microbatch_candidates", "microbatch_of", "pipeline_problem"]
+
+_NO_LINK = Link(1.0, 0.0)
+"""Stands in for the link between groups on a one-group cluster (never used there)."""
+
+
+def _link(link: ClusterLink) -> Link:
+    return Link(link.bandwidth_bytes_per_s, link.latency_s)
+
+
+def microbatch_candidates(batch: int, devices: int | None = None, *,
+                          most: int = 8) -> tuple[int, ...]:
+    """Microbatch sizes worth trying for a global batch: the ``most`` smallest powers of two
+    that divide it (and the batch itself) whose microbatch count ``batch / size`` is at most
+    ``4 * devices`` (every replica runs at least one microbatch, and a pipeline gains little
+    from more than a few microbatches per stage; the cost tables' times are linear in the
+    microbatch size, so below that the bubble alone would pick the smallest size)."""
+    if batch < 1:
+        raise ConfigError(format_error("The global batch must be at least 1.", where="batch",
+                                       value=batch, remedy="pass a batch with samples in it"))
+    sizes: list[int] = []
+    mb = 1
+    while mb <= batch and len(sizes) < most:
+        if batch % mb == 0 and (devices is None or batch // mb <= 4 * devices):
+            sizes.append(mb)
+        mb *= 2
+    if batch not in sizes and len(sizes) < most:
+        sizes.append(batch)
+    return tuple(sizes)
+
+
+def pipeline_problem(costs: LayerCosts, cluster: Cluster, *, batch: int,
+                     memory_bytes: Sequence[float],
+                     microbatch_sizes: Sequence[int] | None = None,
+                     schedules: Sequence[Schedule] = SCHEDULES,
+                     remats: Sequence[Remat] = REMATS, chunks: Sequence[int] = (2,),
+                     max_stages: int = 0) -> PipelineProblem:
+    """The stage planner's problem for ``costs`` on ``cluster``.
+
+    Args:
+      costs: the layer cost tables (their group indices are ``cluster.groups``' order).
+      cluster: the cluster.
+      batch: the global batch in samples.
+      memory_bytes: per group, the usable bytes per device (headroom already taken off).
+      microbatch_sizes: candidate microbatch sizes (default :func:`microbatch_candidates`);
+        each must divide ``batch``.
+      schedules, remats, chunks, max_stages: as in
+        :class:`~shardplan.solver.pipeline.PipelineProblem`.
+    """
+    sizes = (tuple(microbatch_sizes) if microbatch_sizes
+             else microbatch_candidates(batch, cluster.num_devices))
+    bad = [mb for mb in sizes if mb < 1 or batch % mb]
+    if bad:
+        raise ConfigError(format_error(
+            "A microbatch size does not divide the global batch.",
+            where="PlanConfig.microbatch_sizes", value={"batch": batch, "sizes": list(sizes)},
+            remedy=f"use divisors of {batch}, e.g. {list(microbatch_candidates(batch))}"))
+    if len(memory_bytes) != len(cluster.groups):
+        raise ConfigError(format_error(
+            "Give one memory figure per device group.", where="memory_bytes",
+            value=list(memory_bytes), remedy=f"{len(cluster.groups)} figures, in group order"))
+    groups = []
+    for g, group in enumerate(cluster.groups):
+        intra = _link(group.intra_node)
+        price = group.device.price_per_hour_usd
+        groups.append(DeviceGroup(
+            name=group.name, count=len(group.device_ids),
+            devices_per_node=group.devices_per_node, memory_bytes=float(memory_bytes[g]),
+            price_per_hour=float(price) if price is not None else 0.0,
+            intra_node=intra,
+            inter_node=_link(group.inter_node) if group.inter_node is not None else intra))
+    index = {group.name: g for g, group in enumerate(cluster.groups)}
+    pairs = {}
+    for gl in cluster.group_links:
+        a, b = sorted(index[name] for name in gl.groups)
+        pairs[(a, b)] = _link(gl.link)
+    between = (_link(cluster.between_groups) if cluster.between_groups is not None
+               else _NO_LINK)
+    return PipelineProblem(
+        kinds=costs.kinds, layers=costs.layers, groups=tuple(groups), between_groups=between,
+        group_links=pairs, batch=batch, microbatch_sizes=sizes, schedules=tuple(schedules),
+        remats=tuple(remats), chunks=tuple(chunks), max_stages=max_stages)
+
+
+# --------------------------------------------------------------------------- make_plan
+
+
+def batch_size(batch: Any, /) -> int:
+    """The global batch: the leading dimension every leaf of ``batch`` shares.
+
+    Raises:
+      ConfigError: a leaf is a scalar, or two leaves disagree (both named).
+    """
+    import jax
+
+    leaves = jax.tree_util.tree_flatten_with_path(batch)[0]
+    if not leaves:
+        raise ConfigError(format_error("The batch has no arrays.", where="batch", value=batch,
+                                       remedy="pass the batch pytree the train step reads"))
+    sizes: dict[int, str] = {}
+    for path, leaf in leaves:
+        key = jax.tree_util.keystr(path, simple=True, separator="/") or "<root>"
+        shape = tuple(getattr(leaf, "shape", ()))
+        if not shape:
+            raise ConfigError(format_error(
+                "A batch leaf has no batch dimension.", where=f"batch key path {key}",
+                value=shape, remedy="give every batch leaf the samples as its leading axis"))
+        sizes.setdefault(int(shape[0]), key)
+    if len(sizes) > 1:
+        (a, ka), (b, kb) = list(sizes.items())[:2]
+        raise ConfigError(format_error(
+            "The batch leaves disagree on the number of samples (their leading dimension).",
+            where=f"batch key paths {ka} and {kb}", value={ka: a, kb: b},
+            remedy="give every batch leaf the samples as its leading axis"))
+    return next(iter(sizes))
+
+
+def microbatch_of(batch: Any, size: int, /) -> Any:
+    """Abstract stand-ins (``ShapeDtypeStruct``) for a ``size``-sample slice of ``batch``."""
+    import jax
+
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct((size, *x.shape[1:]), x.dtype), batch)
+
+
+def allocate_devices(cluster: Cluster, stages: Sequence[tuple[int, int]]) -> list[tuple[int, ...]]:
+    """Device ids for stages given as ``(group index, devices)``, in order.
+
+    Stages of a node or more take whole nodes; smaller ones are packed first-fit into nodes in
+    the order given (a replica's consecutive stages share a node where they fit, which is what
+    the inter-op model's stage links assume); where first-fit leaves no node with room, the
+    smaller stages are packed largest first, and as a last resort a stage spans two nodes.
+
+    Raises:
+      PipelineError: a group has fewer devices than its stages take.
+    """
+    from shardplan.errors import PipelineError
+
+    out: list[tuple[int, ...] | None] = [None] * len(stages)
+    for g, group in enumerate(cluster.groups):
+        mine = [i for i, (gg, _) in enumerate(stages) if gg == g]
+        need = sum(stages[i][1] for i in mine)
+        if need > len(group.device_ids):
+            raise PipelineError(format_error(
+                "The stages take more devices than the group has.",
+                where=f"group {group.name!r}", value={"stages": need,
+                                                       "devices": len(group.device_ids)},
+                remedy="a planner bug: report it with the plan"))
+        per = group.devices_per_node
+        nodes: list[list[int]] = [list(group.node_ids(n)) for n in range(group.nodes)]
+        big = [i for i in mine if stages[i][1] >= per]
+        small = [i for i in mine if stages[i][1] < per]
+        for i in big:
+            take = stages[i][1] // per
+            free = [n for n, ids in enumerate(nodes) if len(ids) == per][:take]
+            whole = [d for n in free for d in nodes[n]]
+            for n in free:
+                nodes[n] = []
+            out[i] = tuple(whole) + _take_anywhere(nodes, stages[i][1] - len(whole))
+        for order in (small, sorted(small, key=lambda i: -stages[i][1])):
+            trial: list[list[int]] = [list(ids) for ids in nodes]
+            placed: dict[int, tuple[int, ...]] = {}
+            for i in order:
+                d = stages[i][1]
+                fit = next((n for n, ids in enumerate(trial) if len(ids) >= d), None)
+                if fit is None:
+                    break
+                placed[i] = tuple(trial[fit][:d])
+                trial[fit] = trial[fit][d:]
+            if len(placed) == len(small):
+                for i, taken in placed.items():
+                    out[i] = taken
+                break
+        else:
+            for i in small:
+                out[i] = _take_anywhere(nodes, stages[i][1])
+    return [taken for taken in out if taken is not None]
+
+
+def _take_anywhere(nodes: list[list[int]], count: int) -> tuple[int, ...]:
+    taken: list[int] = []
+    for n, ids in enumerate(nodes):
+        grab = ids[:count - len(taken)]
+        taken += grab
+        nodes[n] = ids[len(grab):]
+        if len(taken) == count:
+            break
+    return tuple(taken)
+
+
+def make_pipeline_plan(train_step: Callable[..., Any], state: Any, batch: Any, /, *,
+                       cluster: Cluster, config: PlanConfig) -> Plan:
+    """A multi-stage plan of ``train_step`` on ``cluster``: layer cost tables from the step
+    traced at ``config.reference_microbatch`` samples, the stage planner over them, and the
+    plan (see :func:`shardplan.make_plan`)."""
+    from shardplan.planner.layer_costs import layer_costs
+    from shardplan.trace import trace
+
+    start = time.perf_counter()
+    global_batch = batch_size(batch)
+    reference = min(config.reference_microbatch, global_batch)
+    graph = trace(train_step, state, microbatch_of(batch, reference))
+    traced = time.perf_counter()
+    costs = layer_costs(graph, cluster, reference_batch=reference,
+                        max_mesh_axes=config.max_mesh_axes, time_limit_s=config.time_limit_s,
+                        relative_gap=config.relative_gap)
+    tabled = time.perf_counter()
+    memory = [memory_budget(config, group.device.memory_bytes) for group in cluster.groups]
+    problem = pipeline_problem(
+        costs, cluster, batch=global_batch, memory_bytes=memory,
+        microbatch_sizes=config.microbatch_sizes or None,
+        schedules=config.schedules, remats=config.remats, chunks=config.chunks,
+        max_stages=config.max_stages)
+    problem = dataclasses.replace(problem, objective=config.objective,
+                                  min_throughput=config.min_throughput,
+                                  time_limit_s=config.stage_time_limit_s)
+    solution = solve_pipeline(problem)
+    if not solution.stats.optimal:
+        _warn_gap(solution, problem)
+    solved = time.perf_counter()
+    simulation = simulate(problem, solution.plan)
+    timings = {"trace_s": traced - start, "layer_tables_s": tabled - traced,
+               "stage_planner_s": solved - tabled}
+    return _pipeline_plan(graph, cluster, config, costs, problem, solution, simulation, timings,
+                          start)
+
+
+def _warn_gap(solution: PipelineSolution, problem: PipelineProblem) -> None:
+    """Warns that the stage planner stopped at its time limit, with the proven gap."""
+    import warnings
+
+    from shardplan.errors import ShardplanWarning
+
+    ev, stats = solution.evaluation, solution.stats
+    value = ev.cost_per_step if problem.objective == "cost" else ev.step_time_s
+    gap = (value - stats.lower_bound) / value if value > 0 else 0.0
+    warnings.warn(format_error(
+        f"The stage planner reached its {problem.time_limit_s:g} s limit: the plan is the best "
+        f"found, within {100 * gap:.1f} % of the proven lower bound, not proven optimal.",
+        where="PlanConfig.stage_time_limit_s", value=problem.time_limit_s,
+        remedy="raise PlanConfig.stage_time_limit_s to search longer"), ShardplanWarning,
+        stacklevel=4)
+
+
+def memory_budget(config: PlanConfig, device_bytes: float) -> float:
+    """Usable bytes per device: ``config.memory_budget_bytes``, else the device's memory less
+    ``config.memory_headroom``."""
+    if config.memory_budget_bytes is not None:
+        return float(config.memory_budget_bytes)
+    return float(device_bytes) * (1.0 - config.memory_headroom)
+
+
+def _layout_name(group: str, axis_names: Sequence[str], axis_sizes: Sequence[int]) -> str:
+    return f"{group}:" + ",".join(f"{n}={s}" for n, s in zip(axis_names, axis_sizes,
+                                                             strict=True))
+
+
+def _pipeline_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, costs: LayerCosts,
+                   problem: PipelineProblem, solution: PipelineSolution,
+                   simulation: Simulation, timings: dict[str, float], start: float) -> Plan:
+    """The :class:`Plan` of a stage-planner solution."""
+    from shardplan.planner.single import _version, graph_fingerprint
+
+    pp = solution.plan
+    ev = solution.evaluation
+    flat = [(r, i, st) for r, rep in enumerate(pp.replicas) for i, st in enumerate(rep.stages)]
+    ids = allocate_devices(cluster, [(st.group, st.devices) for _, _, st in flat])
+    shared = [layer.name for layer in graph.layers if layer.kind == "shared"]
+    layouts: dict[str, Layout] = {}
+    stages: list[Stage] = []
+    replicas: list[list[int]] = [[] for _ in pp.replicas]
+    memory: dict[int, int] = {}
+    for index, ((r, i, st), devices) in enumerate(zip(flat, ids, strict=True)):
+        group = cluster.groups[st.group]
+        choice = costs.choices[(st.group, st.devices)]
+        mesh = choice.mesh
+        name = _layout_name(group.name, mesh.axis_names, mesh.axis_sizes)
+        if name not in layouts:
+            specs = decode_input_specs(choice.problem, choice.solution)
+            layouts[name] = Layout(
+                {p.path: specs[p.tensor] for p in graph.parameters if p.arg_index == 0},
+                {p.path: specs[p.tensor] for p in graph.parameters if p.arg_index == 1})
+        stages.append(Stage(index=index, device_type=group.device.name,
+                            mesh=MeshSpec(mesh.axis_names, mesh.axis_sizes, devices),
+                            layers=tuple(costs.names[x] for x in st.layers) + tuple(shared),
+                            remat=st.remat, replica=r, layout=name))
+        replicas[r].append(index)
+        for d in devices:
+            memory[d] = math.ceil(ev.memory_bytes[r][i])
+    param_specs = _first_holders(graph, stages, replicas[0], layouts)
+    slowest = max(range(len(pp.replicas)), key=lambda r: ev.replica_time_s[r])
+    communication = ev.sync_s + sum(ev.hop_time_s[slowest])
+    predicted = Predicted(step_time_s=ev.step_time_s,
+                          compute_s=max(ev.step_time_s - communication, 0.0),
+                          communication_s=communication, memory_bytes=memory, collectives={})
+    stats = solution.stats
+    solver: dict[str, object] = {
+        "status": "optimal" if stats.optimal else "feasible",
+        "objective": problem.objective,
+        "objective_value": ev.cost_per_step if problem.objective == "cost" else ev.step_time_s,
+        "replica_seconds": [round(t, 9) for t in ev.replica_time_s],
+        "sync_s": ev.sync_s, "update_s": ev.update_s,
+        "simulated_step_s": simulation.step_time_s,
+        "simulated_bubble_fraction": simulation.bubble_fraction,
+        "cost_per_step_usd": ev.cost_per_step,
+        "throughput_samples_per_s": ev.throughput,
+        "configs": stats.configs, "labels": stats.labels, "shapes": stats.shapes,
+        "states": stats.states,
+    }
+    if not stats.optimal and math.isfinite(stats.lower_bound):
+        solver["lower_bound"] = stats.lower_bound
+        solver["time_limit_reached_s"] = problem.time_limit_s
+    notes = [f"Layer cost tables solved at a reference microbatch of "
+             f"{costs.reference_batch} sample(s); times and activations scale linearly with "
+             "the microbatch size.",
+             "Collective counts are not predicted for pipeline plans yet: see each layout's "
+             "intra-op solution."]
+    return Plan(
+        shardplan_version=_version(), graph_fingerprint=graph_fingerprint(graph),
+        cluster_hash=cluster.content_hash(), config_hash=config.content_hash(),
+        stages=tuple(stages), param_specs=param_specs, batch_specs={},
+        microbatches=sum(r.microbatches for r in pp.replicas), schedule=pp.schedule,
+        microbatch_size=pp.microbatch_size, chunks=pp.chunks,
+        replicas=tuple(ReplicaSpec(tuple(s), rep.microbatches)
+                       for s, rep in zip(replicas, pp.replicas, strict=True)),
+        layouts=layouts, predicted=predicted, solver=solver, notes=tuple(notes),
+        timings={**timings, "plan_s": time.perf_counter() - start})
+
+
+def _first_holders(graph: OpGraph, stages: Sequence[Stage], first_replica: Sequence[int],
+                   layouts: dict[str, Layout]) -> dict[str, tuple[int, Spec]]:
+    """Per state leaf: the first stage of the first replica whose layers own it (leaves no
+    layer owns, such as a step counter, on its first stage), with that stage's spec."""
+    owner: dict[str, str] = {}
+    for layer in graph.layers:
+        for path in layer.params:
+            owner.setdefault(path, layer.name)
+    out: dict[str, tuple[int, Spec]] = {}
+    for p in graph.parameters:
+        if p.arg_index != 0:
+            continue
+        name = owner.get(p.param_path if p.role == "optimizer_state" and p.param_path
+                         else p.path)
+        stage = next((s for s in first_replica if name in stages[s].layers), first_replica[0])
+        out[p.path] = (stage, layouts[stages[stage].layout].param_specs[p.path])
+    return out
