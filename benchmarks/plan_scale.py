@@ -91,7 +91,8 @@ def _child(case: str) -> dict:
         "predicted_step_time_s": plan.predicted.step_time_s,
         "simulated_step_s": plan.solver["simulated_step_s"],
         "throughput_samples_per_s": plan.solver["throughput_samples_per_s"],
-        "solver": {k: plan.solver[k] for k in ("configs", "labels", "shapes", "states")},
+        "solver": {k: plan.solver.get(k) for k in ("configs", "labels", "shapes", "states",
+                                                    "lower_bound")},
     }
 
 
@@ -128,11 +129,13 @@ def main() -> int:
         print(f"{row['cluster']}: {row['devices']} GPUs, {row['device_types']} types: make_plan "
               f"median {row['make_plan_s']:.2f} s of {args.repeats} (trace "
               f"{t.get('trace_s', 0):.2f}, layer tables {t.get('layer_tables_s', 0):.2f}, "
-              f"stage planner {t.get('stage_planner_s', 0):.2f}){verdict}")
+              f"stage planner {t.get('stage_planner_s', 0):.2f}, simulator "
+              f"{t.get('simulator_s', 0):.2f}){verdict}")
+        sim = row["simulated_step_s"]
         print(f"    {row['replicas']} replicas, microbatch {row['microbatch_size']}, "
               f"{row['schedule']}, {row['status']}; per type {row['per_type']}; predicted "
               f"{row['predicted_step_time_s']:.3f} s/step, simulated "
-              f"{row['simulated_step_s']:.3f} s")
+              + (f"{sim:.3f} s" if sim is not None else "(not simulated: too many tasks)"))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
         "benchmark": "plan_scale", "model": "gpt3-175b", "global_batch": BATCH,

@@ -261,11 +261,18 @@ def make_pipeline_plan(train_step: Callable[..., Any], state: Any, batch: Any, /
     if not solution.stats.optimal:
         _warn_gap(solution, problem)
     solved = time.perf_counter()
-    simulation = simulate(problem, solution.plan)
+    tasks = sum(2 * len(r.stages) * r.microbatches for r in solution.plan.replicas)
+    simulation = simulate(problem, solution.plan) if tasks <= SIMULATE_TASKS else None
     timings = {"trace_s": traced - start, "layer_tables_s": tabled - traced,
-               "stage_planner_s": solved - tabled}
+               "stage_planner_s": solved - tabled, "simulator_s": time.perf_counter() - solved}
     return _pipeline_plan(graph, cluster, config, costs, problem, solution, simulation, timings,
                           start)
+
+
+SIMULATE_TASKS = 60_000
+"""``make_plan`` plays a plan out in the event simulator when it has at most this many
+compute tasks (two per stage per microbatch; about 3 s of simulation); larger plans record
+``simulated_step_s: null`` (``benchmarks/plan_quality.py`` simulates them all)."""
 
 
 def _warn_gap(solution: PipelineSolution, problem: PipelineProblem) -> None:
@@ -300,7 +307,8 @@ def _layout_name(group: str, axis_names: Sequence[str], axis_sizes: Sequence[int
 
 def _pipeline_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, costs: LayerCosts,
                    problem: PipelineProblem, solution: PipelineSolution,
-                   simulation: Simulation, timings: dict[str, float], start: float) -> Plan:
+                   simulation: Simulation | None, timings: dict[str, float],
+                   start: float) -> Plan:
     """The :class:`Plan` of a stage-planner solution."""
     from shardplan.planner.single import _version, graph_fingerprint
 
@@ -343,8 +351,8 @@ def _pipeline_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, costs: 
         "objective_value": ev.cost_per_step if problem.objective == "cost" else ev.step_time_s,
         "replica_seconds": [round(t, 9) for t in ev.replica_time_s],
         "sync_s": ev.sync_s, "update_s": ev.update_s,
-        "simulated_step_s": simulation.step_time_s,
-        "simulated_bubble_fraction": simulation.bubble_fraction,
+        "simulated_step_s": simulation.step_time_s if simulation else None,
+        "simulated_bubble_fraction": simulation.bubble_fraction if simulation else None,
         "cost_per_step_usd": ev.cost_per_step,
         "throughput_samples_per_s": ev.throughput,
         "configs": stats.configs, "labels": stats.labels, "shapes": stats.shapes,

@@ -86,6 +86,9 @@ faster. Prices must be ``>= 0`` under ``cost``.
   ``r`` replicas (more may join) prunes states, with ``tau`` the current sweep point. In the
   backward program a stage that is hopeless, does not fit or lacks an option stays so when
   extended by one more layer (every sum grows), so the loop over its first layer stops there.
+* **G (GPipe under 1F1B).** GPipe and 1F1B have the same step time in the closed form and
+  1F1B holds no more microbatches in flight (``min(m, k - i) <= m``), so every GPipe plan has
+  a 1F1B twin, feasible, of equal objective: when both are allowed only 1F1B is searched.
 * **F (the fluid floor).** Any plan of a configuration with ``R`` replicas and pipeline time
   ``tau`` has ``M - R <= F(tau)``, the groups' fluid capacity (the proof is in
   :mod:`shardplan.solver._bound`); with the least synchronisation and update of ``R``
@@ -331,11 +334,15 @@ def _min_devices(problem: PipelineProblem, g: int, mb: int) -> int | None:
 
 
 def _configs(problem: PipelineProblem) -> list[tuple[int, Schedule, int]]:
+    """The (microbatch size, schedule, chunks) to search; GPipe only when 1F1B is not allowed
+    (rule G)."""
     out = []
+    schedules = [s for s in problem.schedules
+                 if not (s == "gpipe" and "1f1b" in problem.schedules)]
     for mb in sorted(set(problem.microbatch_sizes)):
         if mb <= 0 or problem.batch % mb:
             continue
-        for schedule in problem.schedules:
+        for schedule in schedules:
             for v in (sorted(set(problem.chunks)) if schedule == "interleaved" else [1]):
                 if v >= 1:
                     out.append((mb, schedule, v))
@@ -372,9 +379,11 @@ def solve_pipeline(problem: PipelineProblem, /) -> PipelineSolution:
     best_value = math.inf
     best: tuple[Mix, int, Schedule, int] | None = None
     labels = n_shapes = n_states = 0
-    # Phase 1: uniform replicas only, a quick plan per configuration, least floor first.
+    # Phase 1: uniform replicas only, a quick plan per configuration, the smallest microbatch
+    # first (times are linear in its size, so the pipeline bubble grows with it), then the
+    # least floor.
     quick = [math.inf] * len(configs)
-    for i in sorted(range(len(configs)), key=lambda i: (floors[i], i)):
+    for i in sorted(range(len(configs)), key=lambda i: (configs[i][0], floors[i], i)):
         mb, schedule, v = configs[i]
         if floors[i] >= best_value or (best is not None and time.perf_counter() > deadline):
             continue  # (past the deadline, only until there is a plan)
