@@ -269,9 +269,9 @@ def make_pipeline_plan(train_step: Callable[..., Any], state: Any, batch: Any, /
                           start)
 
 
-SIMULATE_TASKS = 60_000
+SIMULATE_TASKS = 20_000
 """``make_plan`` plays a plan out in the event simulator when it has at most this many
-compute tasks (two per stage per microbatch; about 3 s of simulation); larger plans record
+compute tasks (two per stage per microbatch; about a second of simulation); larger plans record
 ``simulated_step_s: null`` (``benchmarks/plan_quality.py`` simulates them all)."""
 
 

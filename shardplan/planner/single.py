@@ -79,7 +79,7 @@ class PlanConfig:
     objective: Literal["time", "cost"] = "time"
     min_throughput: float = 0.0
     reference_microbatch: int = 1
-    stage_time_limit_s: float = 3.0
+    stage_time_limit_s: float = 2.5
 
     def __post_init__(self) -> None:
         checks = [
