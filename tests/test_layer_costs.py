@@ -70,7 +70,15 @@ def test_a_scanned_stack_costs_what_the_unrolled_one_does(unrolled, scanned) -> 
     a, b = flat.kinds[1].options[0][0], scan.kinds[1].options[0][0]
     assert b.state_bytes == a.state_bytes
     assert scan.kinds[1].boundary_bytes == flat.kinds[1].boundary_bytes
-    assert b.activation_bytes["none"] == pytest.approx(a.activation_bytes["none"], rel=0.1)
+    # The same remat boundary: the block's input. Without remat, a scan keeps more: its
+    # forward loop hands the backward loop every residual the jaxpr names (stacked), where
+    # unrolled blocks let XLA fuse the cheap ones into the backward pass (gpt-tiny per block
+    # and sample: 329,728 against 231,424 bytes of XLA:CPU's temp; tests/test_cost_memory.py).
+    assert b.activation_bytes["full"] == a.activation_bytes["full"]
+    assert (b.activation_bytes["none"] - b.activation_bytes["selective"]
+            == a.activation_bytes["none"] - a.activation_bytes["selective"])
+    assert b.activation_bytes["none"] == pytest.approx(1.43 * a.activation_bytes["none"],
+                                                       rel=0.01)
 
 
 def test_submesh_sizes() -> None:

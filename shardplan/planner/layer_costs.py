@@ -42,7 +42,7 @@ from shardplan.cluster.mesh import LogicalMesh
 from shardplan.cost.compute import (
     VIEW_PRIMITIVES,
 )
-from shardplan.cost.memory import saved_activation_bytes
+from shardplan.cost.memory import activation_facts, saved_activation_bytes_by_layer
 from shardplan.cost.rules import OpRule
 from shardplan.cost.sharding import ShardingAnalysis, analyze_sharding, leaf_specs
 from shardplan.planner.layout import IntraOpLayout, MeshCollectives, RooflineTable, StepFacts
@@ -261,8 +261,7 @@ class _Readback:
         dropped = {policy: _dropped_by(graph, policy) for policy in REMATS}
         self.recomputed = {op: tuple(p for p in REMATS if op in dropped[p])
                            for op in self.owners}
-        pipeline_layers = [layer for layer in graph.layers if layer.kind != "shared"]
-        self.pipeline_layers = pipeline_layers
+        self.activation_facts = activation_facts(graph)
 
     def __call__(self, choice: MeshChoice, layout: IntraOpLayout) -> dict[int, LayerOption]:
         graph, mesh, batch = self.graph, choice.mesh, self.batch
@@ -299,7 +298,10 @@ class _Readback:
             return analysis.local_bytes(graph, t)
 
         state = _state_bytes(graph, local)
-        inputs = _crossing_bytes(graph, self.pipeline_layers, local, into=True)
+        # What XLA keeps from the forward into the backward pass under each policy (full:
+        # the layer's input only), per sample: weight casts and other batch-independent
+        # values are not activations.
+        saved = saved_activation_bytes_by_layer(graph, local, facts=self.activation_facts)
         out: dict[int, LayerOption] = {}
         for i in self.layers:
             out[i] = LayerOption(
@@ -307,12 +309,7 @@ class _Readback:
                 forward_s=(0.0, phase[(i, "forward")] / batch),
                 backward_s=(0.0, (phase[(i, "backward")] + phase[(i, "recompute")]) / batch),
                 recompute_s={p: (0.0, recompute[(i, p)] / batch) for p in REMATS},
-                # Full remat keeps only the layer's input and recomputes the rest.
-                activation_bytes={"none": saved_activation_bytes(graph, local, "none", layer=i)
-                                  / batch,
-                                  "selective": saved_activation_bytes(graph, local, "selective",
-                                                                      layer=i) / batch,
-                                  "full": inputs.get(i, 0.0) / batch},
+                activation_bytes={p: saved[i][p] / batch for p in REMATS},
                 state_bytes=state.get(i, 0.0),
                 update_s=phase[(i, "update")])
         return out
