@@ -1,0 +1,599 @@
+"""Baseline plan families that the stage planner is measured against (issue 5, item 5).
+
+Each function returns the best :class:`~shardplan.solver.pipeline.PipelinePlan` of one family
+by :func:`~shardplan.solver.pipeline.evaluate_pipeline` (the problem's objective: step time, or
+cost per step under the throughput floor), or ``None`` when no plan of the family is feasible.
+Every plan is also a plan of the stage planner's search space, so
+:func:`~shardplan.solver.stages.solve_pipeline` is never worse by the closed form; the
+benchmark (``benchmarks/plan_quality.py``) scores all of them with the event simulator too.
+
+The families
+------------
+* :func:`data_parallel_only` -- what DDP / FSDP / ZeRO users run: no pipelining. Every replica
+  is **one stage holding every layer** on a sub-mesh of ``d`` devices of one group. Inside the
+  stage the layers run as their :class:`~shardplan.solver.pipeline.LayerOption` on ``d``
+  devices says, i.e. the intra-op planner's sharding on that sub-mesh: ``d = 1`` is plain DDP
+  (each device holds the whole model), ``d > 1`` is FSDP / ZeRO-3 or hybrid sharding (HSDP)
+  inside the sub-mesh, and whatever tensor sharding the intra-op solution picked there.
+  Gradient accumulation over ``m`` microbatches, holding one microbatch's activations
+  (``1f1b`` with one stage; ``gpipe`` only when the problem offers no ``1f1b``). Every group
+  that can hold a replica at all (one microbatch in flight) is used, all of its devices
+  (``count // d`` replicas); a group that cannot is left out. The batch is split as evenly as
+  the microbatch counts allow (plain data parallelism splits it evenly): each replica runs
+  ``M // R`` or ``M // R + 1`` microbatches, the extra ones on the fastest replicas. Chosen
+  per group: the sub-mesh size ``d`` and the remat policy; for the plan: the microbatch size.
+  This is more freedom than one DDP launch has (one config on every node), so the baseline
+  is, if anything, flattered.
+* :func:`megatron_grid` -- Megatron-LM's 3-D parallelism, best over a grid: intra-op
+  ("tensor") parallelism ``d`` inside a node (a sub-mesh size every used group offers for every
+  layer, at most one node of every used group), ``k`` stages holding equally many layers (or
+  as evenly as possible, larger stages first; also Megatron's own split: the embedding / head
+  layers, when their kinds differ from the blocks', ride on the first / last stage and the
+  blocks are split evenly), data parallelism over the rest, every replica identical (one
+  ``d``, ``k``, split and remat), the batch split evenly as above, 1F1B or interleaved 1F1B
+  (interleaved only with ``k >= 2`` stages, as Megatron allows it; GPipe only where the
+  problem offers neither).
+  All devices are treated alike, as Megatron does on mixed GPUs: the ``d``-device slots are
+  numbered group after group in the cluster's order and ranks are assigned in one of the two
+  orders Megatron's ``initialize_model_parallel(order=...)`` gives (pipeline outermost, its
+  default ``tp-dp-pp``, or data parallelism outermost, ``tp-pp-dp``); the step waits for the
+  slowest replica. ``R = slots // k`` replicas; leftover slots idle.
+* :func:`homogeneous_only` -- the planner itself on one group (the fastest type) alone.
+* :func:`ideal_gain` -- what using every group could at best give over the fastest alone: the
+  effective matmul FLOP/s of all of them over that of the fastest group.
+
+The search
+----------
+The grids are enumerated with a lower bound on each candidate's objective: the pipeline time
+without transfers, ``(sum t) / v + (m - 1) max t`` per replica (exact for one stage), plus the
+slowest stage's update, both from prefix sums over the layers (the closed form's transfers and
+gradient synchronisation are ``>= 0``). Candidates whose memory (the closed form's in-flight
+rule) clearly exceeds a device are dropped; the rest are evaluated with
+:func:`~shardplan.solver.pipeline.evaluate_pipeline` in order of their bound until the bound
+reaches the best objective found, so the result is the family's exact optimum by the closed
+form (ties keep the first candidate in a fixed order: same inputs, same plan).
+
+Example:
+    >>> from shardplan.solver.pipeline import (DeviceGroup, LayerKind, LayerOption, Link,
+    ...     PipelineProblem)
+    >>> link = Link(1e9, 0.0)
+    >>> o = LayerOption(1, (0.0, 1.0), (0.0, 2.0), {"none": (0.0, 0.0)}, {"none": 1.0}, 0.0,
+    ...                 0.0)
+    >>> kind = LayerKind("block", {0: (o,)}, 0.0, 0.0)
+    >>> problem = PipelineProblem((kind,), (0, 0), (DeviceGroup("d", 2, 2, 1e9, 1.0, link,
+    ...     link),), link, batch=4, microbatch_sizes=(1,), remats=("none",))
+    >>> plan = data_parallel_only(problem)
+    >>> [(r.stages[0].devices, r.microbatches) for r in plan.replicas]  # 2 replicas x 2 x 6 s
+    [(1, 2), (1, 2)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from shardplan.cluster.device import DeviceSpec
+from shardplan.errors import InfeasibleError
+from shardplan.solver.pipeline import (
+    LayerKind,
+    PipelinePlan,
+    PipelineProblem,
+    Remat,
+    Replica,
+    Schedule,
+    StagePlacement,
+    evaluate_pipeline,
+    in_flight,
+)
+
+__all__ = [
+    "data_parallel_only",
+    "effective_matmul_flops_per_s",
+    "homogeneous_only",
+    "ideal_gain",
+    "megatron_grid",
+]
+
+BOUND_SLACK = 1e-9
+"""Relative slack on the lower bounds and the memory pre-check: they are sums in another order
+than :func:`evaluate_pipeline`'s, so they may differ from its figures by a few ulps; the
+slack keeps a candidate whose true figure ties or fits from being dropped for that."""
+
+MEGATRON_ORDERS = ("pp-outer", "dp-outer")
+"""Rank orders of the Megatron grid: pipeline stages outermost (Megatron's default
+``tp-dp-pp``: stage ``i`` of every replica on consecutive slots) or replicas outermost
+(``tp-pp-dp``: each replica's stages on consecutive slots)."""
+
+MEGATRON_SMALL_K = 16
+"""The Megatron grid tries every stage count up to this, and beyond it the divisors of the
+layer and block counts and the powers of two (what practitioners pick)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Stage costs from prefix sums
+
+
+@dataclass(frozen=True)
+class _Prefix:
+    """Prefix sums over the layers of one (group, devices, remat): ``x[j]`` sums layers
+    ``[0, j)``. ``missing[j]`` counts layers without an option."""
+
+    fixed_s: tuple[float, ...]
+    per_sample_s: tuple[float, ...]
+    state_bytes: tuple[float, ...]
+    activation_bytes: tuple[float, ...]
+    update_s: tuple[float, ...]
+    missing: tuple[int, ...]
+
+    def ok(self, a: int, b: int) -> bool:
+        return self.missing[b] == self.missing[a]
+
+    def seconds(self, a: int, b: int, mb: int) -> float:
+        return (self.fixed_s[b] - self.fixed_s[a]
+                + (self.per_sample_s[b] - self.per_sample_s[a]) * mb)
+
+    def state(self, a: int, b: int) -> float:
+        return self.state_bytes[b] - self.state_bytes[a]
+
+    def activation(self, a: int, b: int) -> float:
+        return self.activation_bytes[b] - self.activation_bytes[a]
+
+    def held(self, a: int, b: int, mb: int, flight: float) -> float:
+        """Bytes per device of one stage holding ``flight`` microbatches of ``mb``."""
+        return self.state(a, b) + flight * mb * self.activation(a, b)
+
+    def update(self, a: int, b: int) -> float:
+        return self.update_s[b] - self.update_s[a]
+
+
+class _Tables:
+    """Prefix sums per (group, devices, remat), built on first use."""
+
+    def __init__(self, problem: PipelineProblem) -> None:
+        self.problem = problem
+        self._cache: dict[tuple[int, int, str], _Prefix] = {}
+
+    def __call__(self, group: int, devices: int, remat: str) -> _Prefix:
+        key = (group, devices, remat)
+        if key not in self._cache:
+            p = self.problem
+            sums = [[0.0] for _ in range(5)]
+            missing = [0]
+            for k in p.layers:
+                o = p.kinds[k].option(group, devices)
+                if o is None:
+                    values = (0.0, 0.0, 0.0, 0.0, 0.0)
+                else:
+                    values = (o.forward_s[0] + o.backward_s[0] + o.recompute_s[remat][0],
+                              o.forward_s[1] + o.backward_s[1] + o.recompute_s[remat][1],
+                              o.state_bytes, o.activation_bytes[remat], o.update_s)
+                for s, x in zip(sums, values, strict=True):
+                    s.append(s[-1] + x)
+                missing.append(missing[-1] + (o is None))
+            fixed, per_sample, state, activation, update = (tuple(s) for s in sums)
+            self._cache[key] = _Prefix(fixed, per_sample, state, activation, update,
+                                       tuple(missing))
+        return self._cache[key]
+
+
+def _sizes(problem: PipelineProblem, group: int) -> list[int]:
+    """Sub-mesh sizes of ``group`` that every layer kind in use offers, at most its count."""
+    used = sorted(set(problem.layers))
+    common: set[int] | None = None
+    for k in used:
+        sizes = {o.devices for o in problem.kinds[k].options.get(group, ())}
+        common = sizes if common is None else common & sizes
+    count = problem.groups[group].count
+    return sorted(d for d in (common or set()) if 1 <= d <= count)
+
+
+def _microbatch_sizes(problem: PipelineProblem) -> list[int]:
+    return sorted({mb for mb in problem.microbatch_sizes if mb > 0 and problem.batch % mb == 0})
+
+
+def _even_split(total: int, times: Sequence[float], step: int) -> list[int] | None:
+    """``total`` microbatches over the replicas, in units of ``step``, as evenly as possible:
+    the units left over go one each to the fastest replicas (``times``: seconds per microbatch;
+    ties by index). ``None`` when some replica would get none."""
+    r = len(times)
+    if total % step:
+        return None
+    units = total // step
+    if units < r:
+        return None
+    base, extra = divmod(units, r)
+    out = [base * step] * r
+    for i in sorted(range(r), key=lambda i: (times[i], i))[:extra]:
+        out[i] += step
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Candidates, lower bounds and the exact pick
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    bound: float
+    build: Callable[[], PipelinePlan]
+
+
+def _objective(problem: PipelineProblem, plan: PipelinePlan) -> float:
+    ev = evaluate_pipeline(problem, plan)
+    if not ev.feasible:
+        return math.inf
+    return ev.step_time_s if problem.objective == "time" else ev.cost_per_step
+
+
+def _price(problem: PipelineProblem, devices_per_group: Sequence[int]) -> float:
+    return sum(problem.groups[g].price_per_hour * n for g, n in enumerate(devices_per_group))
+
+
+def _bound(problem: PipelineProblem, time_s: float, devices_per_group: Sequence[int]) -> float:
+    if problem.objective == "time":
+        return time_s
+    return time_s * _price(problem, devices_per_group) / 3600.0
+
+
+def _pick(problem: PipelineProblem, candidates: Iterator[_Candidate]) -> PipelinePlan | None:
+    """The candidate with the least objective by :func:`evaluate_pipeline`, visiting them in
+    order of their lower bounds (ties: generation order) until the bound reaches the best."""
+    ordered = sorted(enumerate(candidates), key=lambda ic: (ic[1].bound, ic[0]))
+    best_value, best_plan = math.inf, None
+    for _, candidate in ordered:
+        if candidate.bound * (1 - BOUND_SLACK) >= best_value:
+            break
+        plan = candidate.build()
+        value = _objective(problem, plan)
+        if value < best_value:
+            best_value, best_plan = value, plan
+    return best_plan
+
+
+def _fits(held: float, memory_bytes: float) -> bool:
+    return held <= memory_bytes * (1 + BOUND_SLACK)
+
+
+# --------------------------------------------------------------------------------------------
+# Data parallel only
+
+
+def data_parallel_only(problem: PipelineProblem, /, *,
+                       groups: Sequence[int] | None = None) -> PipelinePlan | None:
+    """The best plan without pipelining: single-stage replicas (the module docstring).
+
+    Args:
+      problem: the pipeline problem.
+      groups: the groups that may hold replicas (default all); each of them that can hold a
+        replica is used with all its devices.
+
+    Returns:
+      The best plan of the family, or ``None`` when no group holds a replica.
+    """
+    n = len(problem.layers)
+    allowed = range(len(problem.groups)) if groups is None else sorted(set(groups))
+    schedules: list[Schedule] = ["1f1b"] if "1f1b" in problem.schedules else (
+        ["gpipe"] if "gpipe" in problem.schedules else [])
+    tables = _Tables(problem)
+
+    def candidates() -> Iterator[_Candidate]:
+        for mb, schedule in itertools.product(_microbatch_sizes(problem), schedules):
+            total = problem.batch // mb
+            # Per group, the sub-mesh sizes that hold one replica with one microbatch in flight.
+            per_group: list[list[tuple[int, int]]] = []
+            for g in allowed:
+                mem = problem.groups[g].memory_bytes
+                fit = [d for d in _sizes(problem, g)
+                       if any(tables(g, d, r).ok(0, n)
+                              and _fits(tables(g, d, r).held(0, n, mb, 1.0), mem)
+                              for r in problem.remats)]
+                if fit:
+                    per_group.append([(g, d) for d in fit])
+            if not per_group:
+                continue
+            for combo in itertools.product(*per_group):
+                yield from _dp_candidate(problem, tables, combo, mb, schedule, total)
+
+    return _pick(problem, candidates())
+
+
+def _dp_candidate(problem: PipelineProblem, tables: _Tables, combo: Sequence[tuple[int, int]],
+                  mb: int, schedule: Schedule, total: int) -> Iterator[_Candidate]:
+    """The candidate of one sub-mesh size per group (``combo``: (group, devices)), each group's
+    remat the fastest that fits its replicas' microbatches."""
+    n = len(problem.layers)
+    replicas = [(g, d) for g, d in combo for _ in range(problem.groups[g].count // d)]
+    # The split needs each replica's speed, which needs its remat; the fastest remat that fits
+    # one microbatch decides the speed ranking (the in-flight count only grows under GPipe).
+    chosen: dict[tuple[int, int], tuple[str, float]] = {}
+    for g, d in combo:
+        best = None
+        for r in problem.remats:
+            pre = tables(g, d, r)
+            if pre.ok(0, n) and _fits(pre.held(0, n, mb, 1.0), problem.groups[g].memory_bytes):
+                t = pre.seconds(0, n, mb)
+                if best is None or t < best[1]:
+                    best = (r, t)
+        assert best is not None, "combo holds only sizes that fit"
+        chosen[(g, d)] = best
+    split = _even_split(total, [chosen[x][1] for x in replicas], 1)
+    if split is None:
+        return
+    # Under GPipe a replica holds all its microbatches: pick, per group, the fastest remat that
+    # fits its largest count (1F1B with one stage holds one).
+    remat: dict[tuple[int, int], str] = {}
+    for g, d in combo:
+        most = max(m for x, m in zip(replicas, split, strict=True) if x == (g, d))
+        flight = in_flight(schedule, 0, 1, most)
+        options = [(tables(g, d, r).seconds(0, n, mb), i, r)
+                   for i, r in enumerate(problem.remats)
+                   if _fits(tables(g, d, r).held(0, n, mb, flight),
+                            problem.groups[g].memory_bytes)]
+        if not options:
+            return
+        remat[(g, d)] = min(options)[2]
+    pipe = max(m * tables(g, d, remat[(g, d)]).seconds(0, n, mb)
+               for (g, d), m in zip(replicas, split, strict=True))
+    update = max(tables(g, d, remat[(g, d)]).update(0, n) for g, d in combo)
+    used = [0] * len(problem.groups)
+    for g, d in replicas:
+        used[g] += d
+    layers = tuple(range(n))
+
+    def build() -> PipelinePlan:
+        return PipelinePlan(
+            tuple(Replica((StagePlacement(g, d, layers, remat[(g, d)]),), m)  # type: ignore[arg-type]
+                  for (g, d), m in zip(replicas, split, strict=True)), mb, schedule, 1)
+
+    yield _Candidate(_bound(problem, pipe + update, used), build)
+
+
+# --------------------------------------------------------------------------------------------
+# Megatron-style grid
+
+
+def _splits(problem: PipelineProblem, k: int) -> list[tuple[tuple[int, int], ...]]:
+    """Layer ranges of ``k`` stages: as even as possible over all layers (larger stages first),
+    and Megatron's (embedding / head layers of their own kinds ride on the first / last stage,
+    the blocks are split evenly)."""
+    n = len(problem.layers)
+    out = []
+
+    def even(a: int, b: int, parts: int) -> list[int]:
+        q, r = divmod(b - a, parts)
+        return [q + (1 if i < r else 0) for i in range(parts)]
+
+    for head, tail in ((0, 0), _attachments(problem.layers)):
+        if n - head - tail < k:
+            continue
+        sizes = even(head, n - tail, k)
+        sizes[0] += head
+        sizes[-1] += tail
+        bounds = list(itertools.accumulate(sizes, initial=0))
+        split = tuple(itertools.pairwise(bounds))
+        if split not in out and all(b > a for a, b in split):
+            out.append(split)
+    return out
+
+
+def _attachments(layers: Sequence[int]) -> tuple[int, int]:
+    """Leading and trailing layers whose kinds occur once (Megatron's embedding and head)."""
+    n = len(layers)
+    if n < 3:
+        return 0, 0
+    once = {k for k in layers if layers.count(k) == 1}
+    head = 1 if layers[0] in once else 0
+    tail = 1 if layers[-1] in once and n - 1 > head else 0
+    return head, tail
+
+
+def _stage_counts(problem: PipelineProblem, most: int) -> list[int]:
+    n = len(problem.layers)
+    head, tail = _attachments(problem.layers)
+    blocks = n - head - tail
+    ks = set(range(1, min(MEGATRON_SMALL_K, most) + 1))
+    ks |= {k for k in range(1, most + 1) if n % k == 0 or (blocks and blocks % k == 0)}
+    ks |= {2 ** e for e in range(most.bit_length()) if 2 ** e <= most}
+    return sorted(k for k in ks if k <= most)
+
+
+def _tensor_sizes(problem: PipelineProblem, groups: Sequence[int]) -> list[int]:
+    common: set[int] | None = None
+    for g in groups:
+        fit = {d for d in _sizes(problem, g) if d <= problem.groups[g].devices_per_node}
+        common = fit if common is None else common & fit
+    return sorted(common or set())
+
+
+def megatron_grid(problem: PipelineProblem, /, *,
+                  groups: Sequence[int] | None = None) -> PipelinePlan | None:
+    """The best Megatron-style plan over the grid of (tensor size ``d``, stages ``k``, layer
+    split, rank order, microbatch size, remat, schedule, chunks) (the module docstring).
+
+    Args:
+      problem: the pipeline problem.
+      groups: the groups whose devices the grid runs on, in the problem's group order
+        (default all; one group gives the single-type variant).
+
+    Returns:
+      The best plan of the family, or ``None`` when no grid point is feasible.
+    """
+    used = sorted(set(range(len(problem.groups)) if groups is None else groups))
+    n = len(problem.layers)
+    schedules: list[Schedule] = [s for s in problem.schedules if s in ("1f1b", "interleaved")]
+    if not schedules:
+        schedules = list(problem.schedules)
+    tables = _Tables(problem)
+
+    def candidates() -> Iterator[_Candidate]:
+        for d in _tensor_sizes(problem, used):
+            slots = [g for g in used for _ in range(problem.groups[g].count // d)]
+            most = min(n, len(slots), problem.max_stages or n)
+            for k in _stage_counts(problem, most):
+                r_count = len(slots) // k
+                for order in MEGATRON_ORDERS:
+                    if k == 1 and order == "dp-outer":
+                        continue  # one stage: both orders place the same replicas
+                    if order == "pp-outer":
+                        layout = [tuple(slots[i * r_count + r] for i in range(k))
+                                  for r in range(r_count)]
+                    else:
+                        layout = [tuple(slots[r * k + i] for i in range(k))
+                                  for r in range(r_count)]
+                    yield from _megatron_candidates(problem, tables, d, k, layout, schedules)
+
+    return _pick(problem, candidates())
+
+
+def _megatron_candidates(problem: PipelineProblem, tables: _Tables, d: int, k: int,
+                         layout: list[tuple[int, ...]],
+                         schedules: Sequence[Schedule]) -> Iterator[_Candidate]:
+    """The grid points of one (``d``, ``k``, rank order): ``layout`` gives each replica's group
+    per stage."""
+    n = len(problem.layers)
+    signatures = sorted(set(layout))
+    used = [0] * len(problem.groups)
+    for row in layout:
+        for g in row:
+            used[g] += d
+    for mb, remat, schedule in itertools.product(_microbatch_sizes(problem), problem.remats,
+                                                 schedules):
+        total = problem.batch // mb
+        # Megatron interleaves only a real pipeline (k >= 2; older releases asked k > 2).
+        chunk_counts = sorted({v for v in problem.chunks if v >= 2}) if (
+            schedule == "interleaved") else [1]
+        if schedule == "interleaved" and k < 2:
+            continue
+        for v in chunk_counts:
+            if v > 1:
+                if n % (k * v):
+                    continue
+                size = n // (k * v)
+                splits = [tuple((i * size, (i + 1) * size) for i in range(k))]  # chunk 0 per stage
+            else:
+                splits = _splits(problem, k)
+            for split in splits:
+                yield from _megatron_point(problem, tables, d, k, layout, signatures, used, mb,
+                                           remat, schedule, v, split, total)
+
+
+def _megatron_point(problem: PipelineProblem, tables: _Tables, d: int, k: int,
+                    layout: list[tuple[int, ...]], signatures: list[tuple[int, ...]],
+                    used: list[int], mb: int, remat: Remat, schedule: Schedule, v: int,
+                    split: tuple[tuple[int, int], ...], total: int) -> Iterator[_Candidate]:
+    n = len(problem.layers)
+    size = n // (k * v) if v > 1 else 0
+
+    def ranges(i: int) -> list[tuple[int, int]]:
+        """Stage ``i``'s layer ranges (its chunks when interleaved)."""
+        if v == 1:
+            return [split[i]]
+        return [((i + c * k) * size, (i + c * k + 1) * size) for c in range(v)]
+
+    # Per signature: stage seconds, feasibility of options; per replica: its signature.
+    cost: dict[tuple[int, ...], tuple[list[float], float]] = {}
+    for sig in signatures:
+        t, upd = [], 0.0
+        for i, g in enumerate(sig):
+            pre = tables(g, d, remat)
+            if not all(pre.ok(a, b) for a, b in ranges(i)):
+                return
+            t.append(sum(pre.seconds(a, b, mb) for a, b in ranges(i)))
+            upd = max(upd, sum(pre.update(a, b) for a, b in ranges(i)))
+        cost[sig] = (t, upd)
+    step = k if v > 1 else 1
+    split_m = _even_split(total, [max(cost[sig][0]) for sig in layout], step)
+    if split_m is None:
+        return
+    # Memory: each signature's stages under its largest microbatch count.
+    most: dict[tuple[int, ...], int] = {}
+    for sig, m in zip(layout, split_m, strict=True):
+        most[sig] = max(most.get(sig, 0), m)
+    for sig, m in most.items():
+        for i, g in enumerate(sig):
+            pre = tables(g, d, remat)
+            flight = in_flight(schedule, i, k, m, v)
+            held = (sum(pre.state(a, b) for a, b in ranges(i))
+                    + flight * mb * sum(pre.activation(a, b) for a, b in ranges(i)))
+            if not _fits(held, problem.groups[g].memory_bytes):
+                return
+    pipe = max(sum(cost[sig][0]) / v + (m - 1) * max(cost[sig][0])
+               for sig, m in zip(layout, split_m, strict=True))
+    update = max(cost[sig][1] for sig in signatures)
+    stage_layers = [tuple(j for a, b in ranges(i) for j in range(a, b)) for i in range(k)]
+
+    def build() -> PipelinePlan:
+        return PipelinePlan(
+            tuple(Replica(tuple(StagePlacement(g, d, stage_layers[i], remat)
+                                for i, g in enumerate(sig)), m)
+                  for sig, m in zip(layout, split_m, strict=True)),
+            mb, schedule, v)
+
+    yield _Candidate(_bound(problem, pipe + update, used), build)
+
+
+# --------------------------------------------------------------------------------------------
+# Homogeneous only
+
+
+def homogeneous_only(problem: PipelineProblem, solve: Callable[[PipelineProblem], PipelinePlan],
+                     /, *, group: int) -> PipelinePlan | None:
+    """The best plan on ``group``'s devices alone: ``solve`` (the stage planner) on the
+    sub-problem holding only that group, mapped back to ``problem``'s group indices.
+
+    Args:
+      problem: the pipeline problem.
+      solve: the planner, e.g. ``lambda p: solve_pipeline(p).plan``; it may raise
+        :class:`~shardplan.errors.InfeasibleError`.
+      group: the group (the caller picks the fastest, e.g. by
+        :func:`effective_matmul_flops_per_s`).
+
+    Returns:
+      The plan, or ``None`` when the group alone cannot hold the model.
+    """
+    sub = _restrict(problem, group)
+    try:
+        plan = solve(sub)
+    except InfeasibleError:
+        return None
+    return dataclasses.replace(plan, replicas=tuple(
+        dataclasses.replace(r, stages=tuple(dataclasses.replace(s, group=group)
+                                            for s in r.stages))
+        for r in plan.replicas))
+
+
+def _restrict(problem: PipelineProblem, group: int) -> PipelineProblem:
+    """``problem`` with ``group`` as its only group (index 0)."""
+    kinds = tuple(LayerKind(k.name, {0: k.options[group]} if group in k.options else {},
+                            k.boundary_bytes, k.gradient_bytes) for k in problem.kinds)
+    changes: dict[str, Any] = {"kinds": kinds, "groups": (problem.groups[group],)}
+    if any(f.name == "group_links" for f in dataclasses.fields(problem)):
+        changes["group_links"] = {}  # one group: no pairs
+    return dataclasses.replace(problem, **changes)
+
+
+# --------------------------------------------------------------------------------------------
+# Ideal gain
+
+
+def effective_matmul_flops_per_s(device: DeviceSpec, count: int, *,
+                                 dtype: str = "bf16") -> float:
+    """``count`` devices' matmul FLOP/s as the cost model sees them: dense peak in ``dtype``
+    (or the dtype the device runs it as: fp16 on a V100) times ``efficiency.matmul``."""
+    return device.flops_per_s(dtype) * device.efficiency.matmul * count
+
+
+def ideal_gain(flops_per_s: Sequence[float], /) -> float:
+    """All groups' effective FLOP/s over the fastest group's alone: the most a plan using every
+    group can gain over one using the fastest only (per group figures, e.g.
+    :func:`effective_matmul_flops_per_s`).
+
+    Example:
+        >>> round(ideal_gain([1872e12, 700e12]), 3)  # 8 x A100 + 8 x V100
+        1.374
+    """
+    return sum(flops_per_s) / max(flops_per_s)
