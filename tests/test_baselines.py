@@ -17,9 +17,9 @@ from pipeline_bruteforce import count_plans, random_problem
 
 import shardplan as sp
 from shardplan.errors import InfeasibleError
+from shardplan.planner.multi import effective_matmul_flops_per_s
 from shardplan.solver.baselines import (
     data_parallel_only,
-    effective_matmul_flops_per_s,
     homogeneous_only,
     ideal_gain,
     megatron_grid,

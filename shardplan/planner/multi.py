@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from shardplan.cluster import Cluster
+from shardplan.cluster.device import DeviceSpec
 from shardplan.cluster.link import Link as ClusterLink
 from shardplan.errors import ConfigError, format_error
 from shardplan.plan.plan import Layout, MeshSpec, Plan, Predicted, ReplicaSpec, Spec, Stage
@@ -41,7 +42,8 @@ from shardplan.trace.graph import OpGraph
 if TYPE_CHECKING:
     from shardplan.planner.single import PlanConfig
 
-__all__ = ["allocate_devices", "batch_size", "make_pipeline_plan", "memory_budget",
+__all__ = ["allocate_devices", "batch_size", "effective_matmul_flops_per_s",
+           "make_pipeline_plan", "memory_budget",
            "microbatch_candidates", "microbatch_of", "pipeline_problem"]
 
 _NO_LINK = Link(1.0, 0.0)
@@ -127,6 +129,13 @@ def pipeline_problem(costs: LayerCosts, cluster: Cluster, *, batch: int,
 
 
 # --------------------------------------------------------------------------- make_plan
+
+
+def effective_matmul_flops_per_s(device: DeviceSpec, count: int, *,
+                                 dtype: str = "bf16") -> float:
+    """``count`` devices' matmul FLOP/s as the cost model sees them: dense peak in ``dtype``
+    (or the dtype the device runs it as: fp16 on a V100) times ``efficiency.matmul``."""
+    return device.flops_per_s(dtype) * device.efficiency.matmul * count
 
 
 def batch_size(batch: Any, /) -> int:

@@ -76,7 +76,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from shardplan.cluster.device import DeviceSpec
 from shardplan.errors import InfeasibleError
 from shardplan.solver.pipeline import (
     LayerKind,
@@ -92,7 +91,6 @@ from shardplan.solver.pipeline import (
 
 __all__ = [
     "data_parallel_only",
-    "effective_matmul_flops_per_s",
     "homogeneous_only",
     "ideal_gain",
     "megatron_grid",
@@ -550,7 +548,7 @@ def homogeneous_only(problem: PipelineProblem, solve: Callable[[PipelineProblem]
       solve: the planner, e.g. ``lambda p: solve_pipeline(p).plan``; it may raise
         :class:`~shardplan.errors.InfeasibleError`.
       group: the group (the caller picks the fastest, e.g. by
-        :func:`effective_matmul_flops_per_s`).
+        :func:`shardplan.planner.multi.effective_matmul_flops_per_s`).
 
     Returns:
       The plan, or ``None`` when the group alone cannot hold the model.
@@ -580,17 +578,10 @@ def _restrict(problem: PipelineProblem, group: int) -> PipelineProblem:
 # Ideal gain
 
 
-def effective_matmul_flops_per_s(device: DeviceSpec, count: int, *,
-                                 dtype: str = "bf16") -> float:
-    """``count`` devices' matmul FLOP/s as the cost model sees them: dense peak in ``dtype``
-    (or the dtype the device runs it as: fp16 on a V100) times ``efficiency.matmul``."""
-    return device.flops_per_s(dtype) * device.efficiency.matmul * count
-
-
 def ideal_gain(flops_per_s: Sequence[float], /) -> float:
     """All groups' effective FLOP/s over the fastest group's alone: the most a plan using every
     group can gain over one using the fastest only (per group figures, e.g.
-    :func:`effective_matmul_flops_per_s`).
+    :func:`shardplan.planner.multi.effective_matmul_flops_per_s`).
 
     Example:
         >>> round(ideal_gain([1872e12, 700e12]), 3)  # 8 x A100 + 8 x V100
