@@ -4,8 +4,10 @@ Each function returns the best :class:`~shardplan.solver.pipeline.PipelinePlan` 
 by :func:`~shardplan.solver.pipeline.evaluate_pipeline` (the problem's objective: step time, or
 cost per step under the throughput floor), or ``None`` when no plan of the family is feasible.
 Every plan is also a plan of the stage planner's search space, so
-:func:`~shardplan.solver.stages.solve_pipeline` is never worse by the closed form; the
-benchmark (``benchmarks/plan_quality.py``) scores all of them with the event simulator too.
+:func:`~shardplan.solver.stages.solve_pipeline` is never worse by the closed form when its
+search completes (``stats.optimal``); past its time limit it may be. Like the planner, the
+families are optimised by the closed form; the benchmark (``benchmarks/plan_quality.py``)
+scores all of them with the event simulator too.
 
 The families
 ------------
