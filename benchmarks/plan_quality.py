@@ -109,6 +109,15 @@ QUICK: dict[str, list[str]] = {
 }
 METHODS = ("shardplan", "data_parallel", "megatron", "megatron_fastest", "homogeneous")
 BASELINES = METHODS[1:]
+NO_PLAN = {
+    "data_parallel": "no group holds the whole model as one stage on any sub-mesh size of the "
+                     "tables (one microbatch in flight, every remat)",
+    "megatron": "no grid point (tensor size, stages, split, microbatch, remat, schedule) fits "
+                "memory and the batch",
+    "megatron_fastest": "no grid point on the fastest type fits memory and the batch",
+    "homogeneous": "the fastest type alone cannot hold the model",
+}
+"""Why a baseline family has no plan (the functions return None)."""
 SINGLE_TYPE = ("homogeneous", "megatron_fastest")
 """The methods whose plans use the fastest device type only."""
 DIAGNOSTICS = ("shardplan_no_interleaved",)
@@ -437,8 +446,9 @@ def _print_table(cases: list[dict[str, Any]]) -> None:
     shown = METHODS + DIAGNOSTICS
     head = (f"{'cluster':17} {'model':13} {'batch':>5} | "
             + " ".join(f"{n[:11]:>11}" for n in shown)
-            + " | closed/sim-1 | ideal  share | plan_s")
-    print("simulated throughput, samples/s (x: no feasible plan)")
+            + " | closed/sim-1 | ideal  share strict | plan_s")
+    print("simulated throughput, samples/s (x: no feasible plan); share: of the ideal gain over "
+          "homogeneous-only, strict: over the best fastest-type plan of any method")
     print(head)
     print("-" * len(head))
     for c in cases:
@@ -453,9 +463,11 @@ def _print_table(cases: list[dict[str, Any]]) -> None:
                 f"{e['sim_throughput']:>11.1f}" if e.get("feasible") else f"{'x':>11}"))
         ours = m.get("shardplan", {})
         gap = _fmt(100 * ours["closed_vs_sim"], "+.1f") + "%" if ours.get("feasible") else "-"
-        share = d.get("ideal_share_sim")
+        share, strict = d.get("ideal_share_sim"), d.get("ideal_share_sim_strict")
         print(f"{c['cluster']:17} {c['model']:13} {c['batch']:>5} | " + " ".join(cells)
-              + f" | {gap:>12} | {c['ideal_gain']:.3f} {_fmt(None if share is None else 100 * share):>5}%"
+              + f" | {gap:>12} | {c['ideal_gain']:.3f} "
+              + f"{_fmt(None if share is None else 100 * share):>5}% "
+              + f"{_fmt(None if strict is None else 100 * strict):>5}%"
               + f" | {_fmt(ours.get('plan_s'), '.2f')}")
 
 
@@ -471,7 +483,7 @@ def _scale_points() -> list[dict[str, Any]]:
         if not path.exists():
             continue
         data = json.loads(path.read_text())
-        for case in data.get("cases", []):
+        for case in data.get("cases", data.get("rows", [])):
             devices = case.get("devices")
             total = sum(devices) if isinstance(devices, list) else devices
             groups = case.get("groups")
@@ -485,14 +497,14 @@ def _scale_points() -> list[dict[str, Any]]:
     return points
 
 
-def _reference(case: dict[str, Any]) -> tuple[str, float] | None:
-    """The baseline a cluster's bars are relative to: homogeneous-only on heterogeneous
-    clusters, the Megatron grid on homogeneous ones."""
-    for name in ("homogeneous", "megatron"):
-        e = case.get("methods", {}).get(name, {})
-        if e.get("feasible"):
-            return name, e["sim_throughput"]
-    return None
+def _reference(case: dict[str, Any]) -> float | None:
+    """The simulated throughput a case's bars are relative to: on a heterogeneous cluster the
+    best plan on the fastest type alone (the planner's or the Megatron grid's: the planner's
+    own inherits the closed form's errors), on a one-type cluster the Megatron grid's."""
+    m = case.get("methods", {})
+    names = SINGLE_TYPE if len(case.get("groups", ())) > 1 else ("megatron",)
+    found = [m[k]["sim_throughput"] for k in names if m.get(k, {}).get("feasible")]
+    return max(found) if found else None
 
 
 def draw(cases: list[dict[str, Any]], path: Path) -> None:
@@ -508,14 +520,16 @@ def draw(cases: list[dict[str, Any]], path: Path) -> None:
         raise SystemExit("plan_quality.py draws its charts with matplotlib: "
                          "pip install -e '.[bench]' (or pass --no-chart)") from None
     clusters = [c for c in CASES if any(x["cluster"] == c and "methods" in x for x in cases)]
-    fig = plt.figure(figsize=(3.6 * max(len(clusters), 1) + 5.5, 5.4), layout="constrained")
-    grid = fig.add_gridspec(1, len(clusters) + 1, width_ratios=[1] * len(clusters) + [1.5])
+    columns = 3
+    rows_n = (len(clusters) + 1 + columns - 1) // columns
+    fig = plt.figure(figsize=(15, 4.6 * rows_n + 0.6), layout="constrained")
+    grid = fig.add_gridspec(rows_n, columns)
     colors = {"shardplan": "#1f77b4", "shardplan_no_interleaved": "#aec7e8",
               "data_parallel": "#bbbbbb", "megatron": "#ff7f0e", "megatron_fastest": "#ffbb78",
               "homogeneous": "#2ca02c"}
     shown = METHODS + DIAGNOSTICS
     for i, cluster in enumerate(clusters):
-        ax = fig.add_subplot(grid[0, i])
+        ax = fig.add_subplot(grid[i // columns, i % columns])
         rows = [x for x in cases if x["cluster"] == cluster and "methods" in x]
         width = 0.84 / len(shown)
         for j, name in enumerate(shown):
@@ -525,7 +539,7 @@ def draw(cases: list[dict[str, Any]], path: Path) -> None:
                 e = r["methods"].get(name, {})
                 if ref and e.get("feasible"):
                     xs.append(k + (j - (len(shown) - 1) / 2) * width)
-                    ys.append(e["sim_throughput"] / ref[1])
+                    ys.append(e["sim_throughput"] / ref)
             ax.bar(xs, ys, width, label=name.replace("_", " "), color=colors[name],
                    hatch="//" if name in DIAGNOSTICS else None, edgecolor="white", linewidth=0.3)
         ideal = rows[0]["ideal_gain"] if rows else 1.0
@@ -538,13 +552,15 @@ def draw(cases: list[dict[str, Any]], path: Path) -> None:
                       fontsize=8)
         ax.set_title(cluster + ("" if ideal > 1 else " (one type)"), fontsize=9)
         ax.tick_params(axis="y", labelsize=8)
+        if i % columns == 0:
+            ax.set_ylabel("simulated throughput / reference", fontsize=8)
         if i == 0:
-            ax.set_ylabel("simulated throughput / reference\n(reference: homogeneous-only; "
-                          "one type: Megatron grid)", fontsize=8)
             ax.plot([], [], color="black", linestyle="--", label="ideal gain")
             ax.plot([], [], color="black", linestyle=":", label="75 % of ideal gain")
             fig.legend(fontsize=7, loc="outside lower center", ncols=8)
-    ax = fig.add_subplot(grid[0, len(clusters)])
+    fig.suptitle("Simulated throughput relative to the best plan on the fastest device type "
+                 "alone (one-type clusters: to the Megatron grid); planning time", fontsize=10)
+    ax = fig.add_subplot(grid[len(clusters) // columns, len(clusters) % columns])
     markers = {1: "o", 2: "s", 3: "^"}
     for p in _scale_points():
         ax.scatter(p["devices"], p["seconds"], marker=markers.get(p["types"], "x"),
@@ -694,6 +710,9 @@ def _merged(paths: list[str], todo: list[tuple[str, str, int]],
 def _report(cases: list[dict[str, Any]]) -> dict[str, Any]:
     """Derives each case's figures, prints the table and the verdicts, returns the latter."""
     for case in cases:
+        for name, entry in case.get("methods", {}).items():
+            if not entry.get("feasible") and "reason" not in entry and name in NO_PLAN:
+                entry["reason"] = NO_PLAN[name]
         if "methods" in case:
             case["derived"] = _derived(case)
     _print_table(cases)
@@ -715,9 +734,18 @@ def main() -> int:
     if args.child:
         return _child_run(args)
     todo = _selected(args)
+    code = _code_state()
     if args.from_json:
         cases = _merged([args.from_json, *args.merge], todo)
+        source = json.loads(Path(args.from_json).read_text())
+        code = source.get("code", {"unknown": args.from_json})
+        default_limit = source.get("default_time_limit_s")
+        if args.time_limit_s is None:
+            args.time_limit_s = source.get("time_limit_s")
     else:
+        from shardplan.solver.pipeline import PipelineProblem
+
+        default_limit = PipelineProblem.time_limit_s
         cases = []
         for cluster, model, batch in todo:
             print(f"{cluster} / {model} / batch {batch} ...", file=sys.stderr, flush=True)
@@ -726,7 +754,8 @@ def main() -> int:
         "benchmark": "plan_quality", "reference_batch": REFERENCE_BATCH, "headroom": HEADROOM,
         "accept_share": ACCEPT_SHARE, "quick": args.quick,
         "time_limit_s": args.time_limit_s if args.time_limit_s is not None else "default",
-        "code": _code_state(), "cases": cases, **_report(cases), "extra_runs": {},
+        "default_time_limit_s": default_limit,
+        "code": code, "cases": cases, **_report(cases), "extra_runs": {},
         "machine": {"python": sys.version.split()[0], "platform": platform.platform(),
                     "cpus": os.cpu_count()},
     }
