@@ -82,17 +82,7 @@ class _Mixer:
 
     def capacity(self, s: Shape, tau: float) -> int:
         """The most microbatches (a multiple of ``s.step``) ``s`` runs within ``tau``."""
-        if s.fill_s > tau:
-            return 0
-        if s.bottleneck_s > 0:
-            m = min(s.cap, int((tau - s.fill_s) / s.bottleneck_s) + 1)
-            while m > 1 and s.time_s(m) > tau:
-                m -= 1
-            while m < s.cap and s.time_s(m + 1) <= tau:
-                m += 1
-        else:
-            m = s.cap
-        return m - m % s.step
+        return s.capacity(tau)
 
     def score(self, tau: float, r: int, st: State) -> tuple[float, float]:
         """``(objective, step seconds)`` of a final state at ``tau``."""

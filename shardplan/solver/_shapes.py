@@ -77,6 +77,21 @@ class Shape:
         """The closed-form pipeline time with ``microbatches`` microbatches."""
         return self.fill_s + (microbatches - 1) * self.bottleneck_s
 
+    def capacity(self, tau: float) -> int:
+        """The most microbatches (a multiple of ``step``, within ``cap``) whose pipeline time
+        is at most ``tau``, exactly as :meth:`time_s` computes it."""
+        if self.fill_s > tau:
+            return 0
+        if self.bottleneck_s > 0:
+            m = min(self.cap, int((tau - self.fill_s) / self.bottleneck_s) + 1)
+            while m > 1 and self.time_s(m) > tau:
+                m -= 1
+            while m < self.cap and self.time_s(m + 1) <= tau:
+                m += 1
+        else:
+            m = self.cap
+        return m - m % self.step
+
 
 def _usage_le(a: Sequence[int], b: Sequence[int], safe: Sequence[bool]) -> bool:
     """Devices per group ``a`` can stand in for ``b`` (rule S): no more anywhere, the same
