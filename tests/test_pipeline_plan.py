@@ -18,8 +18,9 @@ MIXED = {"a100-80g": 4, "v100-32g": 4}
 
 @pytest.fixture(scope="module")
 def mixed_plan():
-    # Wide enough that the V100s pay for their slower link: the planner uses both types.
-    step, state, x = mlp_step(1024, 1024, learning_rate=1e-3)
+    # A batch large enough that the V100s pay for the gradient all-reduce over their slower
+    # link to the A100s: the planner uses both types.
+    step, state, x = mlp_step(1024, 8192, learning_rate=1e-3)
     cluster = sp.Cluster.local(types=MIXED)
     # A generous limit: the exact search ends in seconds, proven optimal, however loaded the
     # machine (the plan must not depend on when a deadline falls).
@@ -50,7 +51,8 @@ def test_a_mixed_cluster_gets_stages_on_both_device_types(mixed_plan) -> None:
             assert plan.predicted.memory_bytes[d] <= 0.9 * device.memory_bytes
     assert plan.solver["status"] == "optimal"
     sim = plan.solver["simulated_step_s"]
-    assert isinstance(sim, float) and sim >= plan.predicted.step_time_s * 0.5
+    # The event simulator, independent of the closed form, agrees within 2 %.
+    assert isinstance(sim, float) and abs(sim / plan.predicted.step_time_s - 1) <= 0.02
 
 
 def test_the_plan_round_trips_and_summarises_per_device_type(mixed_plan) -> None:
@@ -86,7 +88,9 @@ def test_a_model_that_fits_nowhere_names_the_floor_and_the_devices_per_type() ->
 
 @pytest.mark.parametrize("field,value", [("memory_headroom", 1.0), ("objective", "speed"),
                                          ("schedules", ("zb-v",)), ("chunks", (1,)),
-                                         ("microbatch_sizes", (0,)), ("max_stages", -1)])
+                                         ("microbatch_sizes", (0,)), ("max_stages", -1),
+                                         ("stage_time_limit_s", 0.0),
+                                         ("stage_work_limit", -5)])
 def test_bad_plan_config_values_are_named(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=f"PlanConfig.{field}"):
         sp.PlanConfig(**{field: value})

@@ -265,12 +265,13 @@ def make_pipeline_plan(train_step: Callable[..., Any], state: Any, batch: Any, /
         max_stages=config.max_stages)
     problem = dataclasses.replace(problem, objective=config.objective,
                                   min_throughput=config.min_throughput,
-                                  time_limit_s=config.stage_time_limit_s)
+                                  time_limit_s=config.stage_time_limit_s,
+                                  work_limit=config.stage_work_limit)
     solution = solve_pipeline(problem)
     if not solution.stats.optimal:
         _warn_gap(solution, problem)
     solved = time.perf_counter()
-    tasks = sum(2 * len(r.stages) * r.microbatches for r in solution.plan.replicas)
+    tasks = sum(2 * len(r.stages) * r.microbatches for r in set(solution.plan.replicas))
     simulation = simulate(problem, solution.plan) if tasks <= SIMULATE_TASKS else None
     timings = {"trace_s": traced - start, "layer_tables_s": tabled - traced,
                "stage_planner_s": solved - tabled, "simulator_s": time.perf_counter() - solved}
@@ -280,7 +281,8 @@ def make_pipeline_plan(train_step: Callable[..., Any], state: Any, batch: Any, /
 
 SIMULATE_TASKS = 20_000
 """``make_plan`` plays a plan out in the event simulator when it has at most this many
-compute tasks (two per stage per microbatch; about a second of simulation); larger plans record
+compute tasks (two per stage per microbatch, equal replicas counted once; about a second of
+simulation); larger plans record
 ``simulated_step_s: null`` (``benchmarks/plan_quality.py`` simulates them all)."""
 
 
@@ -293,11 +295,16 @@ def _warn_gap(solution: PipelineSolution, problem: PipelineProblem) -> None:
     ev, stats = solution.evaluation, solution.stats
     value = ev.cost_per_step if problem.objective == "cost" else ev.step_time_s
     gap = (value - stats.lower_bound) / value if value > 0 else 0.0
+    by_work = 0 < problem.work_limit < stats.work
+    limit = (f"work limit of {problem.work_limit:,} units" if by_work
+             else f"{problem.time_limit_s:g} s limit")
+    field = "stage_work_limit" if by_work else "stage_time_limit_s"
     warnings.warn(format_error(
-        f"The stage planner reached its {problem.time_limit_s:g} s limit: the plan is the best "
+        f"The stage planner reached its {limit}: the plan is the best "
         f"found, within {100 * gap:.1f} % of the proven lower bound, not proven optimal.",
-        where="PlanConfig.stage_time_limit_s", value=problem.time_limit_s,
-        remedy="raise PlanConfig.stage_time_limit_s to search longer"), ShardplanWarning,
+        where=f"PlanConfig.{field}",
+        value=problem.work_limit if by_work else problem.time_limit_s,
+        remedy=f"raise PlanConfig.{field} to search longer"), ShardplanWarning,
         stacklevel=4)
 
 
@@ -369,7 +376,10 @@ def _pipeline_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, costs: 
     }
     if not stats.optimal and math.isfinite(stats.lower_bound):
         solver["lower_bound"] = stats.lower_bound
-        solver["time_limit_reached_s"] = problem.time_limit_s
+        if 0 < problem.work_limit < stats.work:
+            solver["work_limit_reached"] = problem.work_limit
+        else:
+            solver["time_limit_reached_s"] = problem.time_limit_s
     notes = [f"Layer cost tables solved at a reference microbatch of "
              f"{costs.reference_batch} sample(s); times and activations scale linearly with "
              "the microbatch size.",

@@ -62,6 +62,10 @@ class PlanConfig:
         returned with a proven lower bound (``plan.solver["status"] == "feasible"``, a
         :class:`~shardplan.errors.ShardplanWarning` gives the gap); small problems finish
         within it, proven optimal.
+      stage_work_limit: the stage planner's work budget (labels, states and sweep steps;
+        0, the default: none). A search cut by it returns the same plan on any machine
+        under any load (a search cut by the clock may not); the time limit stays the
+        safety net.
     """
 
     memory_budget_bytes: float | None = None
@@ -80,6 +84,7 @@ class PlanConfig:
     min_throughput: float = 0.0
     reference_microbatch: int = 1
     stage_time_limit_s: float = 2.5
+    stage_work_limit: int = 0
 
     def __post_init__(self) -> None:
         checks = [
@@ -99,6 +104,8 @@ class PlanConfig:
             ("reference_microbatch", isinstance(self.reference_microbatch, int)
              and self.reference_microbatch >= 1, "an integer >= 1"),
             ("stage_time_limit_s", self.stage_time_limit_s > 0, "a number of seconds > 0"),
+            ("stage_work_limit", isinstance(self.stage_work_limit, int)
+             and self.stage_work_limit >= 0, "an integer >= 0"),
         ]
         for name, ok, want in checks:
             if not ok:

@@ -16,12 +16,11 @@ F and T in :mod:`shardplan.solver.stages`).
 
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass
 
 from shardplan.solver._bound import PlanBound
-from shardplan.solver._shapes import Shape, _usage_le, check_deadline
+from shardplan.solver._shapes import UNLIMITED, Budget, Shape, _usage_le
 from shardplan.solver.pipeline import Link, PipelineProblem
 
 __all__ = ["Mix", "best_mix", "sync_seconds"]
@@ -71,8 +70,8 @@ class _Mixer:
     """The knapsack over one configuration's shapes, evaluated at pipeline-time bounds."""
 
     def __init__(self, problem: PipelineProblem, shapes: list[Shape], bound: PlanBound,
-                 deadline: float) -> None:
-        self.problem, self.shapes, self.bound, self.deadline = problem, shapes, bound, deadline
+                 budget: Budget) -> None:
+        self.problem, self.shapes, self.bound, self.budget = problem, shapes, bound, budget
         self.total = bound.total
         self.mask = (1 << (self.total + 1)) - 1
         self.counts = [g.count for g in problem.groups]
@@ -121,7 +120,7 @@ class _Mixer:
                     for st in list(below[supp]):
                         built += 1
                         if not built & 255:
-                            check_deadline(self.deadline)
+                            self.budget.check(256)
                         usage = tuple(map(operator.add, st[0], s.usage))
                         if not all(map(operator.le, usage, counts)):
                             continue
@@ -181,14 +180,14 @@ class _Mixer:
 
 
 def best_mix(problem: PipelineProblem, shapes: list[Shape], bound: PlanBound,
-             deadline: float = math.inf) -> Mix | None:
+             budget: Budget = UNLIMITED) -> Mix | None:
     """The best multiset of ``shapes`` with a microbatch split, if its objective is below
     ``bound.best``.
 
     Raises:
-      SearchTimeout: past ``deadline``.
+      SearchTimeout: past the ``budget``.
     """
-    mixer = _Mixer(problem, shapes, bound, deadline)
+    mixer = _Mixer(problem, shapes, bound, budget)
     best = bound.best
     floor_su = min((s.update_s for s in shapes), default=0.0)
     floor_price = min(mixer.prices, default=0.0)

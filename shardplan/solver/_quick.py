@@ -20,14 +20,13 @@ starts from it.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from shardplan.solver._bound import Fluid, PlanBound
 from shardplan.solver._mix import Mix, _sumset, sync_seconds
-from shardplan.solver._shapes import Shape, shape_dominates
+from shardplan.solver._shapes import Budget, Shape, shape_dominates
 from shardplan.solver.pipeline import PipelineProblem
 
 __all__ = ["quick_mix"]
@@ -190,8 +189,8 @@ class _Sweep:
     """The knapsacks of all groups at pipeline-time bounds, and the plans they give."""
 
     def __init__(self, problem: PipelineProblem, shapes: list[Shape], bound: PlanBound,
-                 fluid: Fluid, deadline: float, materialize: Callable[[Shape], Shape]) -> None:
-        self.problem, self.bound, self.fluid, self.deadline = problem, bound, fluid, deadline
+                 fluid: Fluid, budget: Budget, materialize: Callable[[Shape], Shape]) -> None:
+        self.problem, self.bound, self.fluid, self.budget = problem, bound, fluid, budget
         self.materialize = materialize
         self.total = bound.total
         counts = [g.count for g in problem.groups]
@@ -310,14 +309,14 @@ class _Sweep:
 
 
 def quick_mix(problem: PipelineProblem, shapes: list[Shape], bound: PlanBound, fluid: Fluid,
-              deadline: float, materialize: Callable[[Shape], Shape] | None = None
+              budget: Budget, materialize: Callable[[Shape], Shape] | None = None
               ) -> Mix | None:
     """The best plan of one-group ``shapes`` the sweep finds (the module docstring), if its
     objective beats ``bound.best``; ``materialize`` gives a shape its stages
     (:meth:`~shardplan.solver._uniform.Family.materialize`)."""
     if not shapes:
         return None
-    sweep = _Sweep(problem, shapes, bound, fluid, deadline, materialize or (lambda s: s))
+    sweep = _Sweep(problem, shapes, bound, fluid, budget, materialize or (lambda s: s))
     tau_top = max(s.time_s(s.cap) for s in shapes)
     tau_floor = fluid.least_tau(sweep.total - fluid.most_replicas) if fluid.usable else 0.0
     queue: list[tuple[float, float]] = [(math.inf, math.inf)]
@@ -327,7 +326,7 @@ def quick_mix(problem: PipelineProblem, shapes: list[Shape], bound: PlanBound, f
         if limits in seen:
             continue
         seen.add(limits)
-        if time.perf_counter() > deadline or not sweep.feasible(tau_top, limits):
+        if budget.over(len(shapes)) or not sweep.feasible(tau_top, limits):
             continue
         lo = tau_floor
         if lo > 0 and sweep.feasible(lo, limits):
@@ -348,7 +347,7 @@ def quick_mix(problem: PipelineProblem, shapes: list[Shape], bound: PlanBound, f
                       ) - fluid.update_floor
         prev = tau_first
         for i in range(1, GRID_POINTS + 1):
-            if time.perf_counter() > deadline or top <= tau_first:
+            if budget.over(len(shapes)) or top <= tau_first:
                 break
             tau = tau_first + (top - tau_first) * (i / GRID_POINTS) ** 2
             tables = sweep.tables(tau, limits)
@@ -357,7 +356,7 @@ def quick_mix(problem: PipelineProblem, shapes: list[Shape], bound: PlanBound, f
                 ranked[reps] = (value - (tau - prev) if not bound.cost else value, prev, tau)
             prev = tau
         for reps in sorted(ranked, key=lambda r: (ranked[r][0], r))[:CANDIDATES]:
-            if time.perf_counter() > deadline:
+            if budget.over(len(shapes)):
                 break
             _, lo, hi = ranked[reps]
             tau = sweep.least_tau(lo, hi, limits, reps) if hi > lo else hi
@@ -392,7 +391,7 @@ def _cheaper(sweep: _Sweep, tau_first: float, tau_top: float,
     total, prices = sweep.total, [g.price_per_hour for g in sweep.problem.groups]
     need = np.arange(total + 1)
     for i in range(GRID_POINTS + 1):
-        if time.perf_counter() > sweep.deadline:
+        if sweep.budget.over():
             return
         tau = tau_first * (tau_top / tau_first) ** (i / GRID_POINTS) if tau_first > 0 else tau_top
         if sweep.bound.too_slow(tau):

@@ -27,24 +27,50 @@ from shardplan.solver.pipeline import (
     Schedule,
     StagePlacement,
     group_link,
+    period_1f1b,
     stage_link,
 )
 
-__all__ = ["SearchTimeout", "Shape", "replica_shapes", "shape_dominates", "shape_of",
+__all__ = ["UNLIMITED", "Budget", "SearchTimeout", "Shape", "replica_shapes", "shape_dominates", "shape_of",
            "uniform_shapes"]
 
 class SearchTimeout(Exception):
-    """The search passed its deadline (``PipelineProblem.time_limit_s``)."""
+    """The search spent its budget (``PipelineProblem.work_limit`` or ``time_limit_s``)."""
 
 
-def check_deadline(deadline: float) -> None:
-    """Raises :class:`SearchTimeout` past ``deadline`` (``time.perf_counter()`` seconds)."""
-    if time.perf_counter() > deadline:
-        raise SearchTimeout
+class Budget:
+    """What the search may still spend: work units (one per label built, shape compared,
+    knapsack state mixed or quick-sweep step; the same count on every machine under every
+    load, so a search cut by it returns the same plan every time) and a wall-clock deadline
+    (``time.perf_counter()`` seconds), the safety net."""
+
+    __slots__ = ("deadline", "spent", "work")
+
+    def __init__(self, work: float = math.inf, deadline: float = math.inf) -> None:
+        self.work, self.deadline, self.spent = work, deadline, 0
+
+    def spend(self, units: int) -> None:
+        """Spends ``units`` without checking (work that must finish)."""
+        self.spent += units
+
+    def over(self, units: int = 1) -> bool:
+        """Spends ``units``; whether the budget is now exhausted."""
+        self.spent += units
+        return self.spent > self.work or time.perf_counter() > self.deadline
+
+    def check(self, units: int = 1) -> None:
+        """Spends ``units``; raises :class:`SearchTimeout` when the budget is exhausted."""
+        if self.over(units):
+            raise SearchTimeout
 
 
-# A label: (usage, seconds, bottleneck, cap, sigma, update, stages, parent, stage).
-# ``seconds`` is ``sum t + sum c``; ``stage`` is ``(type index, layers)``.
+UNLIMITED = Budget()
+
+
+# A label: (usage, seconds, bottleneck, cap, sigma, update, stages, parent, stage, windows).
+# ``seconds`` is ``sum t + v sum c``; ``stage`` is ``(type index, layers)``. ``windows`` (1F1B
+# labels, built backwards): per ``j``, ``sum t + sum c`` of the label's first ``j`` stages
+# without the hop after the last of them (:func:`_windows_le`).
 Label = tuple
 
 
@@ -55,8 +81,9 @@ class Shape:
     Attributes:
       stages: the stages, pipeline order.
       usage: devices per group.
-      fill_s: ``(sum t + sum c) / v``: the pipeline time of one microbatch.
-      bottleneck_s: ``max(max t, max c)``: each further microbatch.
+      fill_s: the pipeline time of one microbatch (:func:`fill_s`).
+      bottleneck_s: the period ``P`` of each further microbatch
+        (:func:`~shardplan.solver.pipeline.replica_time`).
       cap: the most microbatches (at most the step's) every stage's memory holds.
       step: the microbatch count must be a multiple of this (stages under interleaving).
       sigma: the largest ``sigma_{r,s}`` of its stages (gradient bytes per device,
@@ -252,29 +279,29 @@ def _insert(bucket: list[Label], new: Label, better: Callable[[Label, Label], bo
 
 
 def replica_shapes(problem: PipelineProblem, mb: int, schedule: Schedule, v: int,
-                   bound: PlanBound, deadline: float = math.inf,
+                   bound: PlanBound, budget: Budget = UNLIMITED,
                    types: _Types | None = None) -> tuple[list[Shape], int]:
     """The undominated replica shapes for one microbatch size, schedule and chunk count that
     could beat ``bound.best``, and how many labels the dynamic program kept.
 
     Raises:
-      SearchTimeout: past ``deadline``.
+      SearchTimeout: past the ``budget``.
     """
     types = types or _Types(problem, mb)
     total = problem.batch // mb
     if schedule == "interleaved" and v > 1:
-        shapes, labels = _interleaved(problem, types, schedule, v, total, bound, deadline)
+        shapes, labels = _interleaved(problem, types, schedule, v, total, bound, budget)
     else:  # GPipe, 1F1B, or interleaving with one chunk (contiguous stages, Megatron's count)
-        shapes, labels = _linear(problem, types, schedule, total, bound, deadline)
-    return _undominated(shapes, bound.safe, deadline), labels
+        shapes, labels = _linear(problem, types, schedule, total, bound, budget)
+    return _undominated(shapes, bound.safe, budget), labels
 
 
 def _undominated(shapes: list[Shape], safe: Sequence[bool],
-                 deadline: float = math.inf) -> list[Shape]:
+                 budget: Budget = UNLIMITED) -> list[Shape]:
     """``shapes`` less every one another dominates (rule S), in a fixed order."""
     out: list[Shape] = []
     for s in sorted(shapes, key=_order):
-        check_deadline(deadline)
+        budget.check(1 + len(out))
         if not any(shape_dominates(o, s, safe) for o in out):
             out = [o for o in out if not shape_dominates(s, o, safe)]
             out.append(s)
@@ -290,7 +317,8 @@ def shape_of(problem: PipelineProblem, mb: int, schedule: Schedule, v: int,
     index = types.index
     total, k = problem.batch // mb, len(stages)
     usage = [0] * len(problem.groups)
-    seconds, bott, cap, sigma, update = 0.0, 0.0, total, 0.0, 0.0
+    cap, sigma, update = total, 0.0, 0.0
+    times: list[float] = []
     for i, st in enumerate(stages):
         ti = index.get((st.group, st.devices, st.remat))
         agg = types.sums(ti, st.layers) if ti is not None else None
@@ -300,27 +328,44 @@ def shape_of(problem: PipelineProblem, mb: int, schedule: Schedule, v: int,
         usage[st.group] += st.devices
         cap = min(cap, stage_cap(schedule, state, act, mb, problem.groups[st.group].memory_bytes,
                                  total, i, k, v))
-        seconds, bott, sigma, update = seconds + t, max(bott, t), max(sigma, sg), max(update, up)
+        times.append(t)
+        sigma, update = max(sigma, sg), max(update, up)
     stage_of = {layer: i for i, st in enumerate(stages) for layer in st.layers}
     order = ([layer for st in stages for layer in st.layers] if v == 1 else
              [layer for c in range(v) for st in stages
               for layer in st.layers[c * len(st.layers) // v:(c + 1) * len(st.layers) // v]])
+    hops = []
     for a, b in itertools.pairwise(order):
         if stage_of[a] != stage_of[b]:
             sa, sb = stages[stage_of[a]], stages[stage_of[b]]
-            h = _hop(problem, (sa.group, sa.devices), (sb.group, sb.devices), a, mb)
-            seconds, bott = seconds + h, max(bott, h)
+            hops.append(_hop(problem, (sa.group, sa.devices), (sb.group, sb.devices), a, mb))
+    if v == 1:
+        seconds, bott = sum(times) + sum(hops), period_1f1b(times, hops)
+    else:
+        seconds = sum(times) + v * sum(hops)
+        bott = max(max(times), v * max(hops, default=0.0) / 2)
     step = k if schedule == "interleaved" and v > 1 else 1
     cap -= cap % step
     if cap < step:
         return None
-    return Shape(tuple(stages), tuple(usage), seconds / v, bott, cap, step, sigma, update)
+    return Shape(tuple(stages), tuple(usage), fill_s(seconds, bott, v), bott, cap, step, sigma,
+                 update)
+
+
+def fill_s(seconds: float, bottleneck_s: float, v: int) -> float:
+    """A shape's ``fill_s`` from its label sums: ``seconds = sum t + v sum c`` (``v`` chunks)
+    and its bottleneck ``B``: ``seconds / v + (1 - 1 / v) B``, so that ``fill_s + (m - 1) B``
+    is :func:`~shardplan.solver.pipeline.replica_time` (``sum t + sum c + (m - 1) B`` without
+    interleaving, ``sum t / v + sum c + (m - 1 / v) B`` with)."""
+    return seconds if v == 1 else seconds / v + (1 - 1 / v) * bottleneck_s
 
 
 def uniform_shapes(problem: PipelineProblem, mb: int, schedule: Schedule, v: int,
-                   safe: Sequence[bool]) -> list[Shape]:
+                   safe: Sequence[bool], budget: Budget = UNLIMITED) -> list[Shape]:
     """Replicas whose stages all share one (group, devices, remat) and split the layers as
-    evenly as possible (the shorter stages first): a quick first plan to bound the search."""
+    evenly as possible (the shorter stages first): a quick first plan to bound the search.
+    Every shape is built (the quick plan needs them all); each spends its stage count from
+    ``budget`` without checking it."""
     n = len(problem.layers)
     types = _Types(problem, mb)
     out: list[Shape] = []
@@ -339,6 +384,7 @@ def uniform_shapes(problem: PipelineProblem, mb: int, schedule: Schedule, v: int
                 for i in range(k):
                     edges.append(edges[-1] + q + (i >= k - extra))
                 parts = [tuple(range(a, b)) for a, b in itertools.pairwise(edges)]
+            budget.spend(k)
             shape = shape_of(problem, mb, schedule, v,
                              [StagePlacement(g, d, part, r) for part in parts],  # type: ignore[arg-type]
                              types)
@@ -359,7 +405,7 @@ def _hop(problem: PipelineProblem, a: tuple[int, int], b: tuple[int, int], last:
 
 
 def _linear(problem: PipelineProblem, types: _Types, schedule: Schedule, total: int,
-            bound: PlanBound, deadline: float) -> tuple[list[Shape], int]:
+            bound: PlanBound, budget: Budget) -> tuple[list[Shape], int]:
     """GPipe / 1F1B: stages of contiguous layers, built from the last one backwards."""
     n, n_groups = len(problem.layers), len(problem.groups)
     mems = [problem.groups[g].memory_bytes for g, _, _ in types.types]
@@ -371,18 +417,20 @@ def _linear(problem: PipelineProblem, types: _Types, schedule: Schedule, total: 
     def better(a: Label, b: Label) -> bool:
         return (a[1] <= b[1] and a[2] <= b[2] and a[3] >= b[3] and a[4] <= b[4]
                 and a[5] <= b[5] and (not by_position or a[6] <= b[6])
-                and _usage_le(a[0], b[0], safe))
+                and _usage_le(a[0], b[0], safe) and _windows_le(a[9], b[9]))
 
-    kept = 0
+    kept = tried = 0
     # key (first layer, hop class of the front stage) -> labels of the stages from there on
     buckets: dict[tuple, list[Label]] = {
-        (n, None): [((0,) * n_groups, 0.0, 0.0, total, 0.0, 0.0, 0, None, None)]}
+        (n, None): [((0,) * n_groups, 0.0, 0.0, total, 0.0, 0.0, 0, None, None, ())]}
     for j in range(n, 0, -1):
         for key in sorted((k for k in buckets if k[0] == j), key=repr):
             front = key[1]
             for lab in buckets[key]:
-                check_deadline(deadline)
+                budget.check(1 + tried)
+                tried = 0
                 usage, sec, bott, cap, sig, upd, p = lab[:7]
+                windows = lab[9]
                 if problem.max_stages and p >= problem.max_stages:
                     continue
                 for ti, (g, d, _r) in enumerate(types.types):
@@ -396,16 +444,21 @@ def _linear(problem: PipelineProblem, types: _Types, schedule: Schedule, total: 
                         if len(run) < j - i:
                             break
                         t, st, ac, up, sg = run[j - i - 1]
+                        tried += 1
                         scap = stage_cap(schedule, st, ac, types.mb, mems[ti], total, 0,
                                          p + 1, 1)
                         if scap < 1:
                             break
-                        nsec, nbott, ncap = sec + t + c, max(bott, t, c), min(cap, scap)
+                        nsec, ncap = sec + t + c, min(cap, scap)
+                        nbott = max(bott, t, c / 2)
+                        for w, x in enumerate(windows):
+                            nbott = max(nbott, (t + c + x) / (w + 2))
                         nupd, nsig = max(upd, up), max(sig, sg)
                         if bound.hopeless(nsec, nbott, ncap, 1, nsig, nupd, nu, i):
                             break
                         new = (nu, nsec, nbott, ncap, nsig, nupd, p + 1, lab,
-                               (ti, tuple(range(i, j))))
+                               (ti, tuple(range(i, j))),
+                               (t, *(t + c + x for x in windows)))
                         kept += _insert(buckets.setdefault((i, types.hop_class[g, d]), []),
                                         new, better)
     shapes: list[Shape] = []
@@ -413,6 +466,18 @@ def _linear(problem: PipelineProblem, types: _Types, schedule: Schedule, total: 
         if key[0] == 0 and key[1] is not None:
             shapes.extend(_shape(types, lab, 1, 1) for lab in labs)
     return shapes, kept
+
+
+def _windows_le(a: Sequence[float], b: Sequence[float]) -> bool:
+    """Whether suffix ``a`` meets every prefix with window averages no higher than ``b``.
+
+    A prefix of ``q`` stages with ``X`` seconds (its stages and hops, the hop into the
+    suffix included: equal for both, as their front stages share a hop class) makes the
+    windows ``(X + a[j - 1]) / (q + j)``. Taking ``b``'s window ``j' = min(j, len(b))`` for
+    ``a``'s ``j``: ``a[j - 1] <= b[j' - 1]`` and ``j >= j'`` give ``(X + a[j - 1]) / (q + j)
+    <= (X + b[j' - 1]) / (q + j')``, so ``a``'s largest window is no larger than ``b``'s."""
+    nb = len(b)
+    return all(x <= b[min(j, nb - 1)] for j, x in enumerate(a)) if nb else not a
 
 
 def _shape(types: _Types, lab: Label, v: int, step: int) -> Shape:
@@ -425,11 +490,12 @@ def _shape(types: _Types, lab: Label, v: int, step: int) -> Shape:
         node = node[7]
     # Linear shapes are built from the last stage backwards, so the chain runs front first.
     ordered = tuple(stages) if v == 1 else tuple(reversed(stages))
-    return Shape(ordered, lab[0], lab[1] / v, lab[2], lab[3], step, lab[4], lab[5])
+    return Shape(ordered, lab[0], fill_s(lab[1], lab[2], v), lab[2], lab[3], step, lab[4],
+                 lab[5])
 
 
 def _interleaved(problem: PipelineProblem, types: _Types, schedule: Schedule, v: int,
-                 total: int, bound: PlanBound, deadline: float) -> tuple[list[Shape], int]:
+                 total: int, bound: PlanBound, budget: Budget) -> tuple[list[Shape], int]:
     """Interleaved: for each stage count ``k`` whose ``k v`` chunks cut the layers evenly, a
     dynamic program over the stages front to back (the state keeps the first stage's sub-mesh
     for the hops that wrap from the last stage to the first)."""
@@ -455,13 +521,13 @@ def _interleaved(problem: PipelineProblem, types: _Types, schedule: Schedule, v:
                 for i in range(k)]
         # key (hop classes of the first and the previous stage) -> labels
         level: dict[tuple, list[Label]] = {
-            (None, None): [((0,) * n_groups, 0.0, 0.0, total, 0.0, 0.0, 0, None, None)]}
+            (None, None): [((0,) * n_groups, 0.0, 0.0, total, 0.0, 0.0, 0, None, None, ())]}
         for i in range(k):
             nxt: dict[tuple, list[Label]] = {}
             for key in sorted(level, key=repr):
                 first, prev = key
                 for lab in level[key]:
-                    check_deadline(deadline)
+                    budget.check(1 + len(types.types))
                     usage, sec, bott, cap, sig, upd = lab[:6]
                     for ti, (g, d, _r) in enumerate(types.types):
                         agg = sums[i][ti]
@@ -476,21 +542,22 @@ def _interleaved(problem: PipelineProblem, types: _Types, schedule: Schedule, v:
                         if prev is not None:  # v hops from stage i - 1 to stage i
                             for c in range(v):
                                 h = types.hop(g, d, prev, ((i - 1) + c * k + 1) * size - 1)
-                                nsec += h
-                                nbott = max(nbott, h)
+                                nsec += v * h
+                                nbott = max(nbott, v * h / 2)
                         if i == k - 1 and k > 1:  # v - 1 hops wrapping to stage 0
                             f = first if first is not None else cls
                             for c in range(v - 1):
                                 h = types.hop(g, d, f, ((k - 1) + c * k + 1) * size - 1)
-                                nsec += h
-                                nbott = max(nbott, h)
+                                nsec += v * h
+                                nbott = max(nbott, v * h / 2)
                         nupd, ncap = max(upd, up), min(cap, scap)
                         nu = (*usage[:g], usage[g] + d, *usage[g + 1:])
                         nsig = max(sig, sg)
-                        if bound.hopeless(nsec / v, nbott, ncap - ncap % k, k, nsig, nupd, nu):
+                        if bound.hopeless(fill_s(nsec, nbott, v), nbott, ncap - ncap % k, k,
+                                          nsig, nupd, nu):
                             continue
                         new = (nu, nsec, nbott, ncap, nsig, nupd, i + 1, lab,
-                               (ti, layers_of[i]))
+                               (ti, layers_of[i]), ())
                         nkey = (first if first is not None else cls, cls)
                         kept += _insert(nxt.setdefault(nkey, []), new, better)
             level = nxt

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from shardplan.solver._shapes import Shape, _Types, stage_cap
-from shardplan.solver.pipeline import PipelineProblem, Schedule, StagePlacement
+from shardplan.solver._shapes import Shape, _Types, fill_s, stage_cap
+from shardplan.solver.pipeline import PipelineProblem, Schedule, StagePlacement, period_1f1b
 
 __all__ = ["Family"]
 
@@ -185,22 +185,25 @@ class Family:
              segments: list[tuple[int, int, int, int]]) -> None:
         v, total = self.v, self.total
         cap = total
-        seconds = bott = sigma = update = 0.0
+        sigma = update = 0.0
+        times: list[float] = []
         for length, ti, count, scap in segments:
             t, _, _, up, sg = stages[ti].sums[length]
             cap = min(cap, scap)
-            seconds += count * t
-            bott, sigma, update = max(bott, t), max(sigma, sg), max(update, up)
-        hops = (k * v - 1 if v > 1 else k - 1) if k > 1 else 0
-        if hops:
-            seconds += hops * hop
-            bott = max(bott, hop)
+            times += [t] * count
+            sigma, update = max(sigma, sg), max(update, up)
+        hops = [hop] * ((k * v - 1 if v > 1 else k - 1) if k > 1 else 0)
+        if v == 1:
+            seconds, bott = sum(times) + sum(hops), period_1f1b(times, hops)
+        else:
+            seconds = sum(times) + v * sum(hops)
+            bott = max(max(times), v * max(hops, default=0.0) / 2)
         step = k if v > 1 else 1
         cap -= cap % step
         if cap < step:
             return
         usage = tuple(k * d if gg == g else 0 for gg in range(len(self.problem.groups)))
-        shape = Shape((), usage, seconds / v, bott, cap, step, sigma, update)
+        shape = Shape((), usage, fill_s(seconds, bott, v), bott, cap, step, sigma, update)
         self.shapes.append(shape)
         self.recipes[id(shape)] = (g, d, tuple((L, ti, c) for L, ti, c, _ in segments))
 

@@ -50,9 +50,24 @@ Step time (:func:`evaluate_pipeline`), per replica with ``k`` stages and ``m`` m
   interleaved ``k v - 1``): sending the boundary activation forward and its gradient back,
   ``2 * link.time(boundary_bytes(last layer before the hop) * mb)`` on the link between the
   two stages (:func:`stage_link`);
-* GPipe and 1F1B: ``T_r = sum(t) + sum(c) + (m - 1) * max(max(t), max(c, default=0))``;
-* interleaved with ``v`` chunks: ``T_r = (sum(t) + sum(c)) / v + (m - 1) * max(max(t),
-  max(c, default=0))`` (the pipeline fills and drains one chunk at a time);
+* GPipe and 1F1B: ``T_r = sum(t) + sum(c) + (m - 1) * P`` with the period ``P`` the most
+  of ``max(t)``, ``max(c) / 2`` (a duplex link carries one transfer per direction per
+  microbatch) and every window average ``(sum t[i..j] + sum c[i..j-1]) / (j - i + 1)``
+  (:func:`period_1f1b`): under 1F1B stage ``i`` holds one microbatch more than stage
+  ``i + 1``, so a round trip from stage ``i`` through ``j`` is covered by only ``j - i + 1``
+  microbatches and transfers sit on the steady state's critical path. On balanced stages
+  without transfers this is the textbook ``(m + k - 1) t``; with transfers the simulator
+  (:mod:`shardplan.solver.simulate`) never takes longer (``tests/test_simulate.py``), and
+  takes as long up to the first microbatches and a stage whose own round trip hides under
+  its warm-up. GPipe gets the same closed form (the stage planner's rule G), although
+  draining every forward before the first backward makes it pay the forward and the
+  backward bottleneck separately; the simulator has the difference exactly;
+* interleaved with ``v`` chunks: ``T_r = sum(t) / v + sum(c) + (m - 1 / v) * max(max(t),
+  v * max(c) / 2)`` over the ``k v - 1`` hops: the pipeline fills and drains one chunk at a
+  time (bubble ``(k - 1) t / v``, Narayanan et al. 2021), every microbatch crosses every hop,
+  and a link carries ``v`` transfers per direction per microbatch. Exact against the
+  simulator on balanced stages whose transfers are shorter than a chunk's forward and
+  backward; the module :mod:`shardplan.solver.simulate` lists the rest;
 * gradient synchronisation across replicas (``R > 1``), not overlapped with the pipeline
   (:func:`sync_s`): the stages of a replica hold disjoint devices, so each stage all-reduces
   its own layers' gradients with the replicas holding the same layers, all stages at once,
@@ -77,9 +92,11 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
+
+import numpy as np
 
 __all__ = [
     "REMATS",
@@ -97,6 +114,8 @@ __all__ = [
     "evaluate_pipeline",
     "group_link",
     "in_flight",
+    "period_1f1b",
+    "replica_time",
     "slowest_link",
     "stage_link",
     "stage_sigma",
@@ -217,6 +236,9 @@ class PipelineProblem:
       time_limit_s: the stage planner's wall-clock budget: past it, the search stops and
         returns the best plan found with a proven lower bound
         (:class:`~shardplan.solver.stages.SolveStats`).
+      work_limit: the stage planner's work budget in units (labels built, shapes compared,
+        knapsack states, quick-sweep steps; 0: none). Unlike the wall clock, a search cut
+        by it returns the same plan under any load.
     """
 
     kinds: tuple[LayerKind, ...]
@@ -233,6 +255,7 @@ class PipelineProblem:
     min_throughput: float = 0.0
     group_links: Mapping[tuple[int, int], Link] = field(default_factory=dict)
     time_limit_s: float = 10.0
+    work_limit: int = 0
 
 
 @dataclass(frozen=True)
@@ -374,6 +397,42 @@ def sync_s(problem: PipelineProblem, plan: PipelinePlan) -> float:
     return 2 * (r - 1) / r * sigma / link.bandwidth_bytes_per_s + 2 * (r - 1) * link.latency_s
 
 
+def period_1f1b(t: Sequence[float], c: Sequence[float]) -> float:
+    """The steady-state seconds per microbatch of a 1F1B replica with stage times ``t`` and
+    round trips ``c`` (``c[i]`` between stages ``i`` and ``i + 1``): the most of ``max t``,
+    ``max c / 2`` (a link is duplex: each direction carries one transfer per microbatch) and
+    every window average ``(sum t[i..j] + sum c[i..j-1]) / (j - i + 1)`` (stage ``i`` holds
+    ``k - i`` microbatches, one more than stage ``i + 1``, so a microbatch's round trip from
+    ``i`` through ``j`` is covered by ``j - i + 1`` of them; the module docstring)."""
+    period = max(max(t), max(c, default=0.0) / 2)
+    k = len(t)
+    if k <= 8:
+        for i in range(k):
+            run = t[i]
+            for j in range(i + 1, k):
+                run += c[j - 1] + t[j]
+                period = max(period, run / (j - i + 1))
+        return period
+    # the same windows at once: ends[j] - starts[i] is sum t[i..j] + sum c[i..j-1]
+    tc = np.asarray(t, dtype=np.float64) + np.append(np.asarray(c, dtype=np.float64), 0.0)
+    prefix = np.concatenate(([0.0], np.cumsum(tc)))
+    ends = prefix[1:] - np.append(np.asarray(c, dtype=np.float64), 0.0)
+    size = np.arange(k)[None, :] - np.arange(k)[:, None] + 1
+    window = (ends[None, :] - prefix[:-1, None]) / np.maximum(size, 1)
+    return max(period, float(np.max(np.where(size >= 2, window, 0.0))))
+
+
+def replica_time(t: Sequence[float], hops: Sequence[float], microbatches: int,
+                 chunks: int) -> float:
+    """One replica's closed-form pipeline time (the module docstring): ``t`` per stage,
+    ``hops`` every round trip in the order a microbatch crosses them, ``chunks`` ``v`` (1
+    without interleaving)."""
+    if chunks == 1:
+        return sum(t) + sum(hops) + (microbatches - 1) * period_1f1b(t, hops)
+    period = max(max(t), chunks * max(hops, default=0.0) / 2)
+    return sum(t) / chunks + sum(hops) + (microbatches - 1 / chunks) * period
+
+
 def _linear(coefficients: tuple[float, float], mb: int) -> float:
     return coefficients[0] + coefficients[1] * mb
 
@@ -495,8 +554,7 @@ def evaluate_pipeline(problem: PipelineProblem, plan: PipelinePlan) -> PipelineE
                 link = stage_link(problem, replica.stages[stage_of[a]],
                                   replica.stages[stage_of[b]])
                 hops.append(2 * link.time_s(kind.boundary_bytes * mb))
-        bottleneck = max(max(t), max(hops, default=0.0))
-        replica_times.append((sum(t) + sum(hops)) / v + (m - 1) * bottleneck)
+        replica_times.append(replica_time(t, hops, m, v))
         stage_times.append(tuple(t))
         hop_times.append(tuple(hops))
         memories.append(tuple(mem))

@@ -7,7 +7,9 @@ its cost per step subject to the throughput floor (``"cost"``), over every plan
 sub-meshes and groups, uneven microbatch counts, stages of different lengths, one remat per
 stage, and every candidate microbatch size, schedule and chunk count. The search is exact: it
 drops a candidate only by one of the rules below, each of which keeps an optimal plan. It is
-also bounded in time (``PipelineProblem.time_limit_s``): past the limit it returns the best
+also bounded in work (``PipelineProblem.work_limit``: labels, states and sweep steps, so a
+search cut by it gives the same plan on every machine and load) and in wall-clock time
+(``time_limit_s``, the safety net): past either it returns the best
 plan found so far with ``stats.optimal = False`` and ``stats.lower_bound``, a proven floor
 under every plan's objective (rule F).
 
@@ -17,7 +19,8 @@ Per configuration (microbatch size ``mb``, schedule, chunks ``v``; ``M = batch /
 
 1. **Replica shapes** (:mod:`shardplan.solver._shapes`). A replica without its microbatch count
    is a *shape*; the plan sees its devices per group ``u``, its pipeline time
-   ``T(m) = A + (m - 1) B`` (``A = (sum t + sum c) / v``, ``B = max(max t, max c)``), the most
+   ``T(m) = A + (m - 1) B`` (:func:`~shardplan.solver.pipeline.replica_time`: ``A = sum t +
+   sum c``, ``B`` the 1F1B period; interleaved ``A = sum t / v + sum c + (1 - 1/v) B``), the most
    microbatches its memory holds ``cap``, the granularity ``step`` (``k`` when interleaved),
    ``sigma``, the largest gradient bytes a device of one of its stages all-reduces
    (:func:`~shardplan.solver.pipeline.sync_s`), and ``U``, its slowest stage's update. A
@@ -67,7 +70,9 @@ faster. Prices must be ``>= 0`` under ``cost``.
 * **L (labels of the backward program).** Two partial shapes (suffixes) with the same first
   layer and the same group and sub-mesh size of their first stage meet every prefix through
   the same hop. If ``a`` has ``sum t + sum c``, ``B``, ``sigma``, ``U`` ``<=``, ``cap >=``,
-  devices as in S and (1F1B, interleaving with one chunk, or ``max_stages``) no more stages,
+  devices as in S, windows no longer (a prefix's windows that end in ``a`` average no more
+  than some window ending in ``b``: ``_shapes._windows_le``) and (1F1B, interleaving with one
+  chunk, or ``max_stages``) no more stages,
   then prefix + ``a`` dominates prefix + ``b`` by S: the prefix's stages sit no farther from
   the end, so their in-flight counts ``min(m, p)`` are no higher, and the stage count is no
   higher. GPipe memory does not depend on ``p``. (``sigma`` and ``U`` are maxima over stages,
@@ -159,9 +164,9 @@ from shardplan.solver._bound import Fluid, PlanBound
 from shardplan.solver._mix import Mix, best_mix
 from shardplan.solver._quick import quick_mix
 from shardplan.solver._shapes import (
+    Budget,
     SearchTimeout,
     _Types,
-    check_deadline,
     replica_shapes,
     uniform_shapes,
 )
@@ -200,6 +205,7 @@ class SolveStats:
       lower_bound: no plan's objective is below this (the plan's own objective when
         ``optimal``; else the least floor of the configurations left unsearched, rule F).
       quick_s: wall time of phase 1 (the quick plans of every configuration).
+      work: the work units the search spent (:attr:`PipelineProblem.work_limit`).
     """
 
     configs: int
@@ -210,6 +216,7 @@ class SolveStats:
     optimal: bool = True
     lower_bound: float = 0.0
     quick_s: float = 0.0
+    work: int = 0
 
 
 @dataclass(frozen=True)
@@ -369,7 +376,7 @@ def solve_pipeline(problem: PipelineProblem, /) -> PipelineSolution:
       ConfigError: a negative device price under the cost objective.
     """
     start = time.perf_counter()
-    deadline = start + problem.time_limit_s
+    budget = Budget(problem.work_limit or math.inf, start + problem.time_limit_s)
     bound_for = _bounds(problem)
     configs = _configs(problem)
     fluids = [Fluid(problem, mb, schedule, v) for mb, schedule, v in configs]
@@ -385,12 +392,15 @@ def solve_pipeline(problem: PipelineProblem, /) -> PipelineSolution:
     quick = [math.inf] * len(configs)
     for i in sorted(range(len(configs)), key=lambda i: (configs[i][0], floors[i], i)):
         mb, schedule, v = configs[i]
-        if floors[i] >= best_value or (best is not None and time.perf_counter() > deadline):
-            continue  # (past the deadline, only until there is a plan)
+        if floors[i] >= best_value or (best is not None and budget.over(0)):
+            continue  # (past the budget, only until there is a plan)
         types.setdefault(mb, _Types(problem, mb))
+        # Until there is a plan the quick phase runs unbounded; its work still counts.
+        fence = budget if best is not None else Budget()
         mix = _quick(problem, mb, schedule, v, bound_for(mb, best_value, fluids[i]),
-                     fluids[i], types[mb], tables.setdefault(mb, {}),
-                     deadline if best is not None else math.inf)
+                     fluids[i], types[mb], tables.setdefault(mb, {}), fence)
+        if fence is not budget:
+            budget.spend(fence.spent)
         if mix is not None:
             quick[i] = mix.value
             if mix.value < best_value:
@@ -404,12 +414,12 @@ def solve_pipeline(problem: PipelineProblem, /) -> PipelineSolution:
         if floors[i] >= best_value:
             continue
         try:
-            check_deadline(deadline)
+            budget.check()
             bound = bound_for(mb, best_value, fluids[i])
             types.setdefault(mb, _Types(problem, mb))
-            shapes, kept = replica_shapes(problem, mb, schedule, v, bound, deadline, types[mb])
+            shapes, kept = replica_shapes(problem, mb, schedule, v, bound, budget, types[mb])
             labels, n_shapes = labels + kept, n_shapes + len(shapes)
-            mix = best_mix(problem, shapes, bound, deadline) if shapes else None
+            mix = best_mix(problem, shapes, bound, budget) if shapes else None
         except SearchTimeout:
             open_floors.append(floors[i])
             continue
@@ -423,11 +433,13 @@ def solve_pipeline(problem: PipelineProblem, /) -> PipelineSolution:
             raise PipelineInfeasibleError(infeasibility_report(problem),
                                           tuple(g.name for g in problem.groups))
         raise SolverError(format_error(
-            f"The stage planner found no plan within its time limit of "
-            f"{problem.time_limit_s} s and could not prove that none exists.",
-            where="PipelineProblem.time_limit_s", value=problem.time_limit_s,
-            remedy="raise time_limit_s, or shrink the candidates (sub-mesh sizes, "
-                   "microbatch sizes, schedules, remats)"))
+            f"The stage planner found no plan within its budget ({budget.spent:,} of "
+            f"{problem.work_limit or math.inf:,} work units, time limit "
+            f"{problem.time_limit_s} s) and could not prove that none exists.",
+            where="PipelineProblem.work_limit / time_limit_s",
+            value=(problem.work_limit, problem.time_limit_s),
+            remedy="raise work_limit or time_limit_s, or shrink the candidates (sub-mesh "
+                   "sizes, microbatch sizes, schedules, remats)"))
     mix, mb, schedule, v = best
     plan = PipelinePlan(tuple(Replica(shape.stages, m) for shape, m in mix.replicas), mb,
                         schedule, v if schedule == "interleaved" else 1)
@@ -439,20 +451,20 @@ def solve_pipeline(problem: PipelineProblem, /) -> PipelineSolution:
     value = evaluation.step_time_s if problem.objective == "time" else evaluation.cost_per_step
     floor = value if optimal else min(value, *open_floors)
     stats = SolveStats(len(configs), labels, n_shapes, n_states, time.perf_counter() - start,
-                       optimal, floor, quick_s)
+                       optimal, floor, quick_s, budget.spent)
     return PipelineSolution(plan, evaluation, stats)
 
 
 def _quick(problem: PipelineProblem, mb: int, schedule: Schedule, v: int, bound: PlanBound,
-           fluid: Fluid, types: _Types, tables: dict, deadline: float) -> Mix | None:
+           fluid: Fluid, types: _Types, tables: dict, budget: Budget) -> Mix | None:
     """The quick plan of one configuration (:mod:`shardplan.solver._quick`): uniform replicas
     of a problem of identical layers from :class:`~shardplan.solver._quick.Family`, else
     :func:`~shardplan.solver._shapes.uniform_shapes`."""
     if len(set(problem.layers)) == 1:
         family = Family(problem, mb, schedule, v, types, tables)
-        return quick_mix(problem, family.shapes, bound, fluid, deadline, family.materialize)
-    shapes = uniform_shapes(problem, mb, schedule, v, bound.safe)
-    return quick_mix(problem, shapes, bound, fluid, deadline)
+        return quick_mix(problem, family.shapes, bound, fluid, budget, family.materialize)
+    shapes = uniform_shapes(problem, mb, schedule, v, bound.safe, budget)
+    return quick_mix(problem, shapes, bound, fluid, budget)
 
 
 def _bounds(problem: PipelineProblem) -> Callable[..., PlanBound]:
