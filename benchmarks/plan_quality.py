@@ -7,11 +7,13 @@ sub-mesh size; cached under ``--cache``, keyed by the model and cluster files an
 model's sources), and the :class:`~shardplan.solver.pipeline.PipelineProblem` for the case's
 global batch with ``1 - HEADROOM`` of each device's memory. Then, each timed:
 
-* ``shardplan``: :func:`~shardplan.solver.stages.solve_pipeline` (exact for the closed form);
+* ``shardplan``: :func:`~shardplan.solver.portfolio.plan_pipeline`, what ``make_plan`` runs:
+  the stage planner's search (exact for the closed form within its budget) seeded with the
+  data-parallel and Megatron plans, the final pick checked in the simulator;
 * ``data_parallel``: :func:`~shardplan.solver.baselines.data_parallel_only`;
 * ``megatron``: :func:`~shardplan.solver.baselines.megatron_grid` on every device;
 * ``megatron_fastest``: the same grid on the fastest device type alone (heterogeneous only);
-* ``homogeneous``: the planner on the fastest device type alone (heterogeneous only).
+* ``homogeneous``: the same planner on the fastest device type alone (heterogeneous only).
 
 Every plan is played out by :func:`~shardplan.solver.simulate.simulate`; the tables report the
 simulated throughput (samples/s), the closed form's, the speed-up of shardplan over each
@@ -29,7 +31,7 @@ per cluster, model and method; planning time against cluster size and device typ
 Alpa's published planning times marked), and copies the PNG to ``docs/img/``.
 
 A diagnostic, not a baseline: ``shardplan_no_interleaved``, the planner on the same problem
-without the interleaved schedule (whose closed form is optimistic against the simulator). The
+without the interleaved schedule (whose closed form is exact only on equal chunks). The
 stage planner stops at the problem's time limit (``--time-limit-s`` overrides it); its
 ``stats`` (``optimal``, ``lower_bound``) are recorded per case. ``--extra LABEL=PATH`` reports
 another run (e.g. the planner alone with a longer time limit) beside this one, its methods over
@@ -286,7 +288,8 @@ def run_case(cluster_name: str, model: str, batch: int, cache: Path, *,
         ideal_gain,
         megatron_grid,
     )
-    from shardplan.solver.stages import PipelineInfeasibleError, solve_pipeline
+    from shardplan.solver.portfolio import plan_pipeline
+    from shardplan.solver.stages import PipelineInfeasibleError
 
     cluster = sp.Cluster.from_yaml(ROOT / "configs" / "clusters" / f"{cluster_name}.yaml")
     flops = [effective_matmul_flops_per_s(g.device, len(g.device_ids)) for g in cluster.groups]
@@ -323,12 +326,15 @@ def run_case(cluster_name: str, model: str, batch: int, cache: Path, *,
     stats: dict[str, Any] = {}
 
     def solve(p, key: str = "shardplan"):
+        # What make_plan runs: the search seeded with the data-parallel and Megatron plans,
+        # the final pick checked in the simulator (shardplan/solver/portfolio.py).
         if time_limit_s is not None:
             p = dataclasses.replace(p, time_limit_s=time_limit_s)
-        solution = solve_pipeline(p)
-        stats[key] = {k: getattr(solution.stats, k)
-                      for k in solution.stats.__dataclass_fields__}
-        return solution.plan
+        choice = plan_pipeline(p)
+        stats[key] = {k: getattr(choice.stats, k) for k in choice.stats.__dataclass_fields__}
+        stats[key]["chosen"] = choice.source
+        stats[key]["timings"] = choice.timings
+        return choice.plan
 
     no_interleaved = tuple(s for s in problem.schedules if s != "interleaved")
 

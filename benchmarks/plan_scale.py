@@ -92,7 +92,7 @@ def _child(case: str) -> dict:
         "simulated_step_s": plan.solver["simulated_step_s"],
         "throughput_samples_per_s": plan.solver["throughput_samples_per_s"],
         "solver": {k: plan.solver.get(k) for k in ("configs", "labels", "shapes", "states",
-                                                    "lower_bound")},
+                                                    "lower_bound", "chosen", "candidates")},
     }
 
 
@@ -129,8 +129,10 @@ def main() -> int:
         print(f"{row['cluster']}: {row['devices']} GPUs, {row['device_types']} types: make_plan "
               f"median {row['make_plan_s']:.2f} s of {args.repeats} (trace "
               f"{t.get('trace_s', 0):.2f}, layer tables {t.get('layer_tables_s', 0):.2f}, "
-              f"stage planner {t.get('stage_planner_s', 0):.2f}, simulator "
-              f"{t.get('simulator_s', 0):.2f}){verdict}")
+              f"stage planner {t.get('stage_planner_s', 0):.2f}: baselines "
+              f"{t.get('stage_planner.baselines_s', 0):.2f}, search "
+              f"{t.get('stage_planner.search_s', 0):.2f}, simulator "
+              f"{t.get('stage_planner.simulate_s', 0):.2f}){verdict}")
         sim = row["simulated_step_s"]
         print(f"    {row['replicas']} replicas, microbatch {row['microbatch_size']}, "
               f"{row['schedule']}, {row['status']}; per type {row['per_type']}; predicted "

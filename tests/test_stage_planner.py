@@ -356,6 +356,19 @@ def test_a_work_limit_cuts_the_search_the_same_way_every_time() -> None:
     assert full.evaluation.step_time_s <= first.evaluation.step_time_s
 
 
+def test_seeds_bound_the_search_and_are_never_beaten_for_worse() -> None:
+    problem = _gpt_like()
+    full = solve_pipeline(problem)
+    # A search cut at once returns its best seed; an infeasible seed is ignored.
+    bad = dataclasses.replace(full.plan, microbatch_size=3)
+    cut = solve_pipeline(dataclasses.replace(problem, work_limit=1), seeds=[bad, full.plan])
+    assert cut.plan == full.plan and cut.stats.seed == 1
+    # A whole search from a worse seed still ends at the optimum.
+    worse = solve_pipeline(dataclasses.replace(problem, work_limit=300))
+    again = solve_pipeline(problem, seeds=[worse.plan])
+    assert again.stats.optimal and again.plan == full.plan and again.stats.seed == -1
+
+
 def test_fluid_bound_is_below_every_plan_of_its_configuration() -> None:
     # Rule F: per (microbatch size, schedule, chunks), no plan beats the fluid bound. Checked
     # against every plan of random small problems; the bound is also not vacuous.

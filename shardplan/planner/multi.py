@@ -35,8 +35,7 @@ from shardplan.solver.pipeline import (
     Remat,
     Schedule,
 )
-from shardplan.solver.simulate import Simulation, simulate
-from shardplan.solver.stages import PipelineSolution, solve_pipeline
+from shardplan.solver.portfolio import PipelineChoice, plan_pipeline
 from shardplan.trace.graph import OpGraph
 
 if TYPE_CHECKING:
@@ -267,32 +266,22 @@ def make_pipeline_plan(train_step: Callable[..., Any], state: Any, batch: Any, /
                                   min_throughput=config.min_throughput,
                                   time_limit_s=config.stage_time_limit_s,
                                   work_limit=config.stage_work_limit)
-    solution = solve_pipeline(problem)
-    if not solution.stats.optimal:
-        _warn_gap(solution, problem)
-    solved = time.perf_counter()
-    tasks = sum(2 * len(r.stages) * r.microbatches for r in set(solution.plan.replicas))
-    simulation = simulate(problem, solution.plan) if tasks <= SIMULATE_TASKS else None
+    choice = plan_pipeline(problem)
+    if not choice.stats.optimal:
+        _warn_gap(choice, problem)
     timings = {"trace_s": traced - start, "layer_tables_s": tabled - traced,
-               "stage_planner_s": solved - tabled, "simulator_s": time.perf_counter() - solved}
-    return _pipeline_plan(graph, cluster, config, costs, problem, solution, simulation, timings,
-                          start)
+               "stage_planner_s": time.perf_counter() - tabled,
+               **{f"stage_planner.{k}": v for k, v in choice.timings.items()}}
+    return _pipeline_plan(graph, cluster, config, costs, problem, choice, timings, start)
 
 
-SIMULATE_TASKS = 20_000
-"""``make_plan`` plays a plan out in the event simulator when it has at most this many
-compute tasks (two per stage per microbatch, equal replicas counted once; about a second of
-simulation); larger plans record
-``simulated_step_s: null`` (``benchmarks/plan_quality.py`` simulates them all)."""
-
-
-def _warn_gap(solution: PipelineSolution, problem: PipelineProblem) -> None:
-    """Warns that the stage planner stopped at its time limit, with the proven gap."""
+def _warn_gap(choice: PipelineChoice, problem: PipelineProblem) -> None:
+    """Warns that the stage planner stopped at its budget, with the proven gap."""
     import warnings
 
     from shardplan.errors import ShardplanWarning
 
-    ev, stats = solution.evaluation, solution.stats
+    ev, stats = choice.evaluation, choice.stats
     value = ev.cost_per_step if problem.objective == "cost" else ev.step_time_s
     gap = (value - stats.lower_bound) / value if value > 0 else 0.0
     by_work = 0 < problem.work_limit < stats.work
@@ -322,9 +311,8 @@ def _layout_name(group: str, axis_names: Sequence[str], axis_sizes: Sequence[int
 
 
 def _pipeline_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, costs: LayerCosts,
-                   problem: PipelineProblem, solution: PipelineSolution,
-                   simulation: Simulation | None, timings: dict[str, float],
-                   start: float) -> Plan:
+                   problem: PipelineProblem, solution: PipelineChoice,
+                   timings: dict[str, float], start: float) -> Plan:
     """The :class:`Plan` of a stage-planner solution."""
     from shardplan.planner.single import _version, graph_fingerprint
 
@@ -339,11 +327,11 @@ def _pipeline_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, costs: 
     memory: dict[int, int] = {}
     for index, ((r, i, st), devices) in enumerate(zip(flat, ids, strict=True)):
         group = cluster.groups[st.group]
-        choice = costs.choices[(st.group, st.devices)]
-        mesh = choice.mesh
+        intra = costs.choices[(st.group, st.devices)]
+        mesh = intra.mesh
         name = _layout_name(group.name, mesh.axis_names, mesh.axis_sizes)
         if name not in layouts:
-            specs = decode_input_specs(choice.problem, choice.solution)
+            specs = decode_input_specs(intra.problem, intra.solution)
             layouts[name] = Layout(
                 {p.path: specs[p.tensor] for p in graph.parameters if p.arg_index == 0},
                 {p.path: specs[p.tensor] for p in graph.parameters if p.arg_index == 1})
@@ -360,7 +348,7 @@ def _pipeline_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, costs: 
     predicted = Predicted(step_time_s=ev.step_time_s,
                           compute_s=max(ev.step_time_s - communication, 0.0),
                           communication_s=communication, memory_bytes=memory, collectives={})
-    stats = solution.stats
+    stats, simulation = solution.stats, solution.simulation
     solver: dict[str, object] = {
         "status": "optimal" if stats.optimal else "feasible",
         "objective": problem.objective,
@@ -373,6 +361,13 @@ def _pipeline_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, costs: 
         "throughput_samples_per_s": ev.throughput,
         "configs": stats.configs, "labels": stats.labels, "shapes": stats.shapes,
         "states": stats.states,
+        # the final pick (solver/portfolio.py): the search's plan or a baseline seed it did
+        # not beat, with every candidate's closed-form and simulated step time
+        "chosen": solution.source,
+        "candidates": {c.name: {"step_s": c.evaluation.step_time_s,
+                                "simulated_step_s": (c.simulation.step_time_s
+                                                     if c.simulation else None)}
+                       for c in solution.candidates},
     }
     if not stats.optimal and math.isfinite(stats.lower_bound):
         solver["lower_bound"] = stats.lower_bound

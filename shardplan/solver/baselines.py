@@ -428,6 +428,7 @@ def megatron_grid(problem: PipelineProblem, /, *,
     if not schedules:
         schedules = list(problem.schedules)
     tables = _Tables(problem)
+    memo: dict[tuple, _StageFigures | None] = {}
 
     def candidates() -> Iterator[_Candidate]:
         for d in _tensor_sizes(problem, used):
@@ -444,14 +445,15 @@ def megatron_grid(problem: PipelineProblem, /, *,
                     else:
                         layout = [tuple(slots[r * k + i] for i in range(k))
                                   for r in range(r_count)]
-                    yield from _megatron_candidates(problem, tables, d, k, layout, schedules)
+                    yield from _megatron_candidates(problem, tables, d, k, layout, schedules,
+                                                    memo)
 
     return _pick(problem, candidates())
 
 
 def _megatron_candidates(problem: PipelineProblem, tables: _Tables, d: int, k: int,
-                         layout: list[tuple[int, ...]],
-                         schedules: Sequence[Schedule]) -> Iterator[_Candidate]:
+                         layout: list[tuple[int, ...]], schedules: Sequence[Schedule],
+                         memo: dict[tuple, _StageFigures | None]) -> Iterator[_Candidate]:
     """The grid points of one (``d``, ``k``, rank order): ``layout`` gives each replica's group
     per stage."""
     n = len(problem.layers)
@@ -460,6 +462,7 @@ def _megatron_candidates(problem: PipelineProblem, tables: _Tables, d: int, k: i
     for row in layout:
         for g in row:
             used[g] += d
+    linear_splits = _splits(problem, k)
     for mb, remat, schedule in itertools.product(_microbatch_sizes(problem), problem.remats,
                                                  schedules):
         total = problem.batch // mb
@@ -475,16 +478,29 @@ def _megatron_candidates(problem: PipelineProblem, tables: _Tables, d: int, k: i
                 size = n // (k * v)
                 splits = [tuple((i * size, (i + 1) * size) for i in range(k))]  # chunk 0 per stage
             else:
-                splits = _splits(problem, k)
+                splits = linear_splits
             for split in splits:
                 yield from _megatron_point(problem, tables, d, k, layout, signatures, used, mb,
-                                           remat, schedule, v, split, total)
+                                           remat, schedule, v, split, total, memo)
+
+
+@dataclass(frozen=True)
+class _StageFigures:
+    """Per stage of one replica signature: seconds per microbatch as ``fixed + per_sample *
+    mb``, state and activation bytes; and the slowest stage's update."""
+
+    fixed_s: tuple[float, ...]
+    per_sample_s: tuple[float, ...]
+    state_bytes: tuple[float, ...]
+    activation_bytes: tuple[float, ...]
+    update_s: float
 
 
 def _megatron_point(problem: PipelineProblem, tables: _Tables, d: int, k: int,
                     layout: list[tuple[int, ...]], signatures: list[tuple[int, ...]],
                     used: list[int], mb: int, remat: Remat, schedule: Schedule, v: int,
-                    split: tuple[tuple[int, int], ...], total: int) -> Iterator[_Candidate]:
+                    split: tuple[tuple[int, int], ...], total: int,
+                    memo: dict[tuple, _StageFigures | None]) -> Iterator[_Candidate]:
     n = len(problem.layers)
     size = n // (k * v) if v > 1 else 0
 
@@ -494,17 +510,20 @@ def _megatron_point(problem: PipelineProblem, tables: _Tables, d: int, k: int,
             return [split[i]]
         return [((i + c * k) * size, (i + c * k + 1) * size) for c in range(v)]
 
-    # Per signature: stage seconds, feasibility of options; per replica: its signature.
-    cost: dict[tuple[int, ...], tuple[list[float], float]] = {}
+    # Per signature: stage seconds, feasibility of options (independent of the microbatch size
+    # and schedule: computed once per signature, sub-mesh, remat and split); per replica: its
+    # signature.
+    figures: dict[tuple[int, ...], _StageFigures] = {}
     for sig in signatures:
-        t, upd = [], 0.0
-        for i, g in enumerate(sig):
-            pre = tables(g, d, remat)
-            if not all(pre.ok(a, b) for a, b in ranges(i)):
-                return
-            t.append(sum(pre.seconds(a, b, mb) for a, b in ranges(i)))
-            upd = max(upd, sum(pre.update(a, b) for a, b in ranges(i)))
-        cost[sig] = (t, upd)
+        key = (d, remat, v, split, sig)
+        if key not in memo:
+            memo[key] = _signature_figures(tables, sig, d, remat, ranges)
+        found = memo[key]
+        if found is None:
+            return
+        figures[sig] = found
+    cost = {sig: ([f + p * mb for f, p in zip(x.fixed_s, x.per_sample_s, strict=True)],
+                  x.update_s) for sig, x in figures.items()}
     step = k if v > 1 else 1
     split_m = _even_split(total, [max(cost[sig][0]) for sig in layout], step)
     if split_m is None:
@@ -514,11 +533,10 @@ def _megatron_point(problem: PipelineProblem, tables: _Tables, d: int, k: int,
     for sig, m in zip(layout, split_m, strict=True):
         most[sig] = max(most.get(sig, 0), m)
     for sig, m in most.items():
+        x = figures[sig]
         for i, g in enumerate(sig):
-            pre = tables(g, d, remat)
             flight = in_flight(schedule, i, k, m, v)
-            held = (sum(pre.state(a, b) for a, b in ranges(i))
-                    + flight * mb * sum(pre.activation(a, b) for a, b in ranges(i)))
+            held = x.state_bytes[i] + flight * mb * x.activation_bytes[i]
             if not _fits(held, problem.groups[g].memory_bytes):
                 return
     pipe = max(sum(cost[sig][0]) / v + (m - 1) * max(cost[sig][0])
@@ -534,6 +552,24 @@ def _megatron_point(problem: PipelineProblem, tables: _Tables, d: int, k: int,
             mb, schedule, v)
 
     yield _Candidate(_bound(problem, pipe + update, used), build)
+
+
+def _signature_figures(tables: _Tables, sig: tuple[int, ...], d: int, remat: Remat,
+                       ranges: Callable[[int], list[tuple[int, int]]]) -> _StageFigures | None:
+    """The :class:`_StageFigures` of one replica signature (its group per stage), or ``None``
+    when some stage lacks an option."""
+    fixed, per, state, act = [], [], [], []
+    upd = 0.0
+    for i, g in enumerate(sig):
+        pre = tables(g, d, remat)
+        if not all(pre.ok(a, b) for a, b in ranges(i)):
+            return None
+        fixed.append(sum(pre.fixed_s[b] - pre.fixed_s[a] for a, b in ranges(i)))
+        per.append(sum(pre.per_sample_s[b] - pre.per_sample_s[a] for a, b in ranges(i)))
+        state.append(sum(pre.state(a, b) for a, b in ranges(i)))
+        act.append(sum(pre.activation(a, b) for a, b in ranges(i)))
+        upd = max(upd, sum(pre.update(a, b) for a, b in ranges(i)))
+    return _StageFigures(tuple(fixed), tuple(per), tuple(state), tuple(act), upd)
 
 
 # --------------------------------------------------------------------------------------------

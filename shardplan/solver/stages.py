@@ -156,7 +156,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from shardplan.errors import ConfigError, InfeasibleError, SolverError, format_error
@@ -206,6 +206,7 @@ class SolveStats:
         ``optimal``; else the least floor of the configurations left unsearched, rule F).
       quick_s: wall time of phase 1 (the quick plans of every configuration).
       work: the work units the search spent (:attr:`PipelineProblem.work_limit`).
+      seed: the index of the seed plan returned (no search result beat it), or -1.
     """
 
     configs: int
@@ -217,6 +218,7 @@ class SolveStats:
     lower_bound: float = 0.0
     quick_s: float = 0.0
     work: int = 0
+    seed: int = -1
 
 
 @dataclass(frozen=True)
@@ -356,7 +358,8 @@ def _configs(problem: PipelineProblem) -> list[tuple[int, Schedule, int]]:
     return out
 
 
-def solve_pipeline(problem: PipelineProblem, /) -> PipelineSolution:
+def solve_pipeline(problem: PipelineProblem, /, *,
+                   seeds: Sequence[PipelinePlan] = ()) -> PipelineSolution:
     """The plan minimising :func:`~shardplan.solver.pipeline.evaluate_pipeline`'s step time
     (``objective="time"``) or cost per step subject to the throughput floor (``"cost"``).
 
@@ -365,9 +368,13 @@ def solve_pipeline(problem: PipelineProblem, /) -> PipelineSolution:
 
     Args:
       problem: the layer cost tables, device groups and candidates.
+      seeds: plans to start from (say, the baselines' of :mod:`shardplan.solver.baselines`):
+        each feasible one bounds the search from the start, and the result is never worse
+        than any of them (ties keep the seed). Infeasible seeds are ignored.
 
     Returns:
-      The plan, its evaluation and search statistics.
+      The plan, its evaluation and search statistics (``stats.seed``: the index of the seed
+      returned, or -1).
 
     Raises:
       PipelineInfeasibleError: no plan is feasible (an :class:`InfeasibleError` carrying an
@@ -384,7 +391,13 @@ def solve_pipeline(problem: PipelineProblem, /) -> PipelineSolution:
     types: dict[int, _Types] = {}
     tables: dict[int, dict] = {}
     best_value = math.inf
-    best: tuple[Mix, int, Schedule, int] | None = None
+    best: PipelinePlan | None = None
+    seed_index = -1
+    for i, seed in enumerate(seeds):
+        ev = evaluate_pipeline(problem, seed)
+        value = ev.step_time_s if problem.objective == "time" else ev.cost_per_step
+        if ev.feasible and value < best_value:
+            best_value, best, seed_index = value, seed, i
     labels = n_shapes = n_states = 0
     # Phase 1: uniform replicas only, a quick plan per configuration, the smallest microbatch
     # first (times are linear in its size, so the pipeline bubble grows with it), then the
@@ -404,7 +417,7 @@ def solve_pipeline(problem: PipelineProblem, /) -> PipelineSolution:
         if mix is not None:
             quick[i] = mix.value
             if mix.value < best_value:
-                best_value, best = mix.value, (mix, mb, schedule, v)
+                best_value, best, seed_index = mix.value, _plan(mix, mb, schedule, v), -1
     quick_s = time.perf_counter() - start
     # Phase 2: every replica shape, the most promising configuration first (rule F skips a
     # configuration whose floor cannot beat the best).
@@ -426,7 +439,7 @@ def solve_pipeline(problem: PipelineProblem, /) -> PipelineSolution:
         if mix is not None:
             n_states += mix.states
             if mix.value < best_value:
-                best_value, best = mix.value, (mix, mb, schedule, v)
+                best_value, best, seed_index = mix.value, _plan(mix, mb, schedule, v), -1
     optimal = not open_floors
     if best is None:
         if optimal:
@@ -440,9 +453,7 @@ def solve_pipeline(problem: PipelineProblem, /) -> PipelineSolution:
             value=(problem.work_limit, problem.time_limit_s),
             remedy="raise work_limit or time_limit_s, or shrink the candidates (sub-mesh "
                    "sizes, microbatch sizes, schedules, remats)"))
-    mix, mb, schedule, v = best
-    plan = PipelinePlan(tuple(Replica(shape.stages, m) for shape, m in mix.replicas), mb,
-                        schedule, v if schedule == "interleaved" else 1)
+    plan = best
     evaluation = evaluate_pipeline(problem, plan)
     if not evaluation.feasible:  # the search and the evaluator disagree: a bug, not the input
         raise SolverError(format_error(
@@ -451,8 +462,13 @@ def solve_pipeline(problem: PipelineProblem, /) -> PipelineSolution:
     value = evaluation.step_time_s if problem.objective == "time" else evaluation.cost_per_step
     floor = value if optimal else min(value, *open_floors)
     stats = SolveStats(len(configs), labels, n_shapes, n_states, time.perf_counter() - start,
-                       optimal, floor, quick_s, budget.spent)
+                       optimal, floor, quick_s, budget.spent, seed_index)
     return PipelineSolution(plan, evaluation, stats)
+
+
+def _plan(mix: Mix, mb: int, schedule: Schedule, v: int) -> PipelinePlan:
+    return PipelinePlan(tuple(Replica(shape.stages, m) for shape, m in mix.replicas), mb,
+                        schedule, v if schedule == "interleaved" else 1)
 
 
 def _quick(problem: PipelineProblem, mb: int, schedule: Schedule, v: int, bound: PlanBound,
