@@ -79,6 +79,7 @@ def _child(case: str) -> dict:
         row["devices"] += stage.mesh.num_devices
         row["stages"] += 1
     first = [plan.stages[i] for i in plan.replicas[0].stages]
+    solver = json.loads(plan.to_json())["solver"]  # plain JSON values
     return {
         "case": case, "cluster": cluster.name, "devices": cluster.num_devices,
         "device_types": len(cluster.groups), "make_plan_s": seconds,
@@ -91,8 +92,8 @@ def _child(case: str) -> dict:
         "predicted_step_time_s": plan.predicted.step_time_s,
         "simulated_step_s": plan.solver["simulated_step_s"],
         "throughput_samples_per_s": plan.solver["throughput_samples_per_s"],
-        "solver": {k: plan.solver.get(k) for k in ("configs", "labels", "shapes", "states",
-                                                    "lower_bound", "chosen", "candidates")},
+        "solver": {k: solver.get(k) for k in ("configs", "labels", "shapes", "states",
+                                               "lower_bound", "chosen", "candidates")},
     }
 
 

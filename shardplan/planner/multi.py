@@ -4,8 +4,9 @@
 layer cost tables (:mod:`shardplan.planner.layer_costs`: per layer kind, device group and
 sub-mesh size, the intra-op solution's times and bytes), turns them and the cluster's groups
 and links into the plain-data :class:`~shardplan.solver.pipeline.PipelineProblem`
-(:func:`pipeline_problem`), solves it (:func:`~shardplan.solver.stages.solve_pipeline`), plays
-the plan out in the event simulator, places the stages on devices (:func:`allocate_devices`)
+(:func:`pipeline_problem`), solves it (:func:`~shardplan.solver.portfolio.plan_pipeline`: the
+stage planner seeded with the data-parallel and Megatron plans, the final pick played out in
+the event simulator), places the stages on devices (:func:`allocate_devices`)
 and writes the :class:`~shardplan.plan.Plan`: stages with their replica, device type, devices,
 mesh, layers and remat; one *layout* (the intra-op shardings) per device group and sub-mesh;
 microbatches, schedule and the predicted figures.
