@@ -62,6 +62,8 @@ def test_the_plan_round_trips_and_summarises_per_device_type(mixed_plan) -> None
     assert all(len(line) <= 100 for line in text.splitlines())
     assert "Device types" in text and "a100-80g:" in text and "v100-32g:" in text
     assert "Replicas" in text and "planning took" in text
+    assert "candidates, predicted / simulated step:" in text and "(chosen)" in text
+    assert plan.solver["chosen"] in plan.solver["candidates"]
     for stage in plan.stages:  # each layout's specs use its stages' mesh axes
         layout = plan.layouts[stage.layout]
         for spec in layout.param_specs.values():

@@ -386,9 +386,20 @@ def _solver(plan: Plan) -> list[str]:
     head = str(s.get("status", "status unknown"))
     if "solve_time_s" in s and isinstance(s["solve_time_s"], int | float):
         head += f" in {float(s['solve_time_s']):.3g} s"
-    rest = [f"{k}={_format_value(v)}" for k, v in s.items() if k not in ("status", "solve_time_s")]
+    skip = ("status", "solve_time_s", "chosen", "candidates")
+    rest = [f"{k}={_format_value(v)}" for k, v in s.items() if k not in skip]
     lines = ["Solver"]
     lines += _pack(rest, f"  {head}: ", "    ") if rest else [f"  {head}"]
+    candidates = s.get("candidates")
+    if isinstance(candidates, Mapping) and candidates:
+        # the stage planner's final pick (solver/portfolio.py): predicted / simulated per plan
+        def seconds(x: object) -> str:
+            return _format_time(float(x)) if isinstance(x, int | float) else "-"
+
+        rows = [f"{name}{' (chosen)' if name == s.get('chosen') else ''} "
+                f"{seconds(c.get('step_s'))} / {seconds(c.get('simulated_step_s'))}"
+                for name, c in candidates.items() if isinstance(c, Mapping)]
+        lines += _pack(rows, "  candidates, predicted / simulated step: ", "    ", sep="; ")
     if plan.timings:
         spent = [f"{k} {v:.3g} s" for k, v in plan.timings.items()]
         lines += _pack(spent, "  planning took: ", "    ", sep="; ")

@@ -45,6 +45,10 @@ INTERLEAVED_SLACK = 0.02
 """An interleaved candidate whose simulation exceeds its closed form by more than this
 fraction sends the search round again without interleaving."""
 
+TIE_RELATIVE = 1e-9
+"""A later candidate replaces the pick only when its simulated objective is lower by more than
+this fraction (sums in another order differ in the last bits)."""
+
 SIMULATE_TASKS = 20_000
 """Plans with at most this many compute tasks (two per stage per microbatch, equal replicas
 counted once; about a second of simulation) are simulated; larger ones are judged by the
@@ -142,7 +146,8 @@ def plan_pipeline(problem: PipelineProblem, /, *,
         for c in candidates:
             assert c.simulation is not None
             value = _objective(problem, c.plan, c.simulation)
-            if value is not None and (best is None or value < best):
+            # strictly better beyond rounding: equal plans found twice keep the first
+            if value is not None and (best is None or value < best * (1 - TIE_RELATIVE)):
                 best, chosen = value, c
     timings = {**clock, "simulate_s": simulated - start - sum(clock.values())}
     return PipelineChoice(chosen.plan, chosen.evaluation, chosen.simulation, stats,
