@@ -1,0 +1,336 @@
+"""Microbatching an unmodified train step: its jaxpr cut into a per-microbatch gradient part and
+a once-per-step update part.
+
+This is the first piece of the pipeline runtime: every multi-stage plan runs the batch-dependent
+part of the step (forward and backward) once per microbatch, accumulates what it hands to the
+update (the gradients, the loss and other metrics), and runs the update once. The cut is found
+in the step's own jaxpr, so the user's step runs as written (``DESIGN.md``, decision 4).
+
+The cut (:func:`split_step`)
+----------------------------
+The step is traced at the microbatch's shapes. JAX's autodiff names its equations: a
+``jvp(...)`` name stack marks the forward pass, ``transpose(...)`` the backward pass. Every
+top-level equation goes to
+
+* the **gradient part** when it is forward or backward, or when it reads the batch (directly or
+  through other such equations) without reading a backward result (e.g. an accuracy metric);
+* the **update part** when it reads a backward result or an update-part value (the optimizer,
+  the global gradient norm, the new parameters);
+* both, as needed, when it reads the state only (a step counter, a learning-rate schedule):
+  such equations are recomputed where they are used, which changes no value.
+
+The *cut values* are what the gradient part produces and the update part or the step's outputs
+read: the gradients and the batch-dependent metrics.
+
+Accumulation (:func:`reduction_kinds`)
+--------------------------------------
+A gradient of a mean loss over ``M`` equal microbatches is the mean of the microbatch gradients;
+of a sum loss, their sum. Which one a cut value is, is measured once, on the first two
+microbatches ``x1``, ``x2``: the gradient part on ``[x1, x2]`` (traced at twice the size) gives
+``(f(x1) + f(x2)) / 2`` for a mean and ``f(x1) + f(x2)`` for a sum. The gradients (the values the
+backward pass produces) come from one loss and are judged together, by the norm of the error of
+each answer over all of them, so that a gradient that is zero up to rounding (a bias ahead of a
+normalisation) does not decide; every other cut value (a metric) is judged alone, each within
+:data:`MEAN_SUM_RTOL`. A value that is neither (a maximum over the batch, a running statistic)
+cannot be accumulated: :class:`~shardplan.errors.PipelineError` names it. For losses that are
+means or sums over examples the microbatched step equals the whole-batch step up to float
+rounding; where the loss depends on the batch as a whole (mixture-of-experts routing with a
+capacity, a load-balancing term) it is gradient accumulation over the microbatches.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> def step(w, batch):
+    ...     loss, g = jax.value_and_grad(lambda w: jnp.mean((batch @ w) ** 2))(w)
+    ...     return w - 0.1 * g, {"loss": loss}
+    >>> w, x = jnp.ones((3,)), jnp.arange(12.0).reshape(4, 3)
+    >>> run = microbatched(step, microbatches=2)
+    >>> new_w, metrics = run(w, x)
+    >>> ref_w, ref_metrics = step(w, x)
+    >>> bool(jnp.allclose(new_w, ref_w)), bool(jnp.allclose(metrics["loss"], ref_metrics["loss"]))
+    (True, True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jcore
+
+from shardplan.errors import ConfigError, PipelineError, format_error
+
+__all__ = ["MEAN_SUM_RTOL", "StepSplit", "microbatched", "reduction_kinds", "split_step"]
+
+Reduction = Literal["mean", "sum"]
+
+MEAN_SUM_RTOL = 0.05
+"""How close (relative to the value) the measurement must come to a mean or a sum. Exact means
+and sums over examples land within float rounding (about 1e-7); a mixture-of-experts loss,
+whose token routing (capacity) and load-balancing term depend on the batch they see, within a
+few 1e-4: there the microbatched step is gradient accumulation, as every MoE trainer runs it,
+not the whole-batch step. A maximum over two different microbatches is off by far more."""
+
+
+@dataclass(frozen=True)
+class StepSplit:
+    """A train step cut into its gradient and update parts (the module docstring).
+
+    Attributes:
+      gradient: ``(*state leaves, *batch leaves) -> cut values``, at the microbatch's shapes.
+      update: ``(*state leaves, *cut values) -> output leaves``.
+      cut_avals: the cut values' shapes and dtypes.
+      out_tree: the step's output tree structure.
+      cut_backward: per cut value, whether the backward pass produced it (a gradient).
+      gradient_eqns: top-level equations in the gradient part.
+      update_eqns: top-level equations in the update part.
+    """
+
+    gradient: jcore.ClosedJaxpr
+    update: jcore.ClosedJaxpr
+    cut_avals: tuple[Any, ...]
+    out_tree: Any
+    cut_backward: tuple[bool, ...]
+    gradient_eqns: int
+    update_eqns: int
+
+
+def _is_var(v: Any) -> bool:
+    return not isinstance(v, jcore.Literal)
+
+
+def _autodiff_phase(eqn: Any) -> str | None:
+    stack = str(eqn.source_info.name_stack)
+    if "transpose(" in stack:
+        return "backward"
+    if "jvp(" in stack:
+        return "forward"
+    return None
+
+
+def split_step(train_step: Callable[..., Any], state: Any, batch: Any, /) -> StepSplit:
+    """Cuts ``train_step(state, batch)`` into its gradient and update parts.
+
+    Args:
+      train_step: ``(state, batch) -> outputs``, using ``jax.value_and_grad`` /
+        ``nnx.value_and_grad`` (or ``jax.grad``) for its gradients.
+      state: the state pytree (arrays or ``ShapeDtypeStruct``s).
+      batch: one *microbatch* (arrays or ``ShapeDtypeStruct``s): the parts are traced at its
+        shapes.
+
+    Returns:
+      The :class:`StepSplit`.
+
+    Raises:
+      PipelineError: the step has no backward pass to cut at.
+    """
+    closed, out_shape = jax.make_jaxpr(train_step, return_shape=True)(state, batch)
+    out_tree = jax.tree.structure(out_shape)
+    jaxpr = closed.jaxpr
+    n_state, n_batch = len(jax.tree.leaves(state)), len(jax.tree.leaves(batch))
+    eqns = list(jaxpr.eqns)
+    sized = _sized_by_batch(train_step, state, batch, eqns)
+    batch_dep = set(jaxpr.invars[n_state:n_state + n_batch])
+    update_dep: set[Any] = set()
+    part: list[str] = []
+    for e in eqns:
+        ins = [v for v in e.invars if _is_var(v)]
+        phase = _autodiff_phase(e)
+        reads_batch = any(v in batch_dep for v in ins) or sized[len(part)]
+        if phase is not None:
+            where = "gradient"
+        elif any(v in update_dep for v in ins):
+            where = "update"
+        elif reads_batch:
+            where = "gradient"
+        else:
+            where = "state"
+        if phase == "backward" or where == "update":
+            update_dep.update(e.outvars)
+        if phase is not None or reads_batch:
+            batch_dep.update(e.outvars)
+        part.append(where)
+    if "gradient" not in part or not any(_autodiff_phase(e) == "backward" for e in eqns):
+        raise PipelineError(format_error(
+            "The train step has no backward pass to cut into microbatches.",
+            where=f"train step {getattr(train_step, '__name__', train_step)!r}",
+            remedy="compute the gradients inside the step with jax.value_and_grad / jax.grad "
+                   "(or nnx.value_and_grad)"))
+    producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+
+    def with_state_inputs(seeds: Sequence[int]) -> list[int]:
+        """``seeds`` and the state-only equations they read, transitively, in order."""
+        keep, todo = set(seeds), list(seeds)
+        while todo:
+            for v in eqns[todo.pop()].invars:
+                j = producer.get(v) if _is_var(v) else None
+                if j is not None and part[j] == "state" and j not in keep:
+                    keep.add(j)
+                    todo.append(j)
+        return sorted(keep)
+
+    outs = [v for v in jaxpr.outvars if _is_var(v)]
+    grad_idx = with_state_inputs([i for i, p in enumerate(part) if p == "gradient"])
+    update_seeds = [i for i, p in enumerate(part) if p == "update"]
+    update_seeds += [producer[v] for v in outs if v in producer and part[producer[v]] == "state"]
+    update_idx = with_state_inputs(update_seeds)
+    in_gradient = {i for i in grad_idx if part[i] == "gradient"}
+    cut: list[Any] = []
+    for v in [v for i in update_idx for v in eqns[i].invars] + outs:
+        if _is_var(v) and producer.get(v) in in_gradient and v not in cut:
+            cut.append(v)
+    info = jaxpr.debug_info
+    names = tuple(info.arg_names or ()) or tuple(f"arg{i}" for i in range(len(jaxpr.invars)))
+    cut_names = tuple(f"cut[{i}]" for i in range(len(cut)))
+    gradient = jcore.Jaxpr(
+        jaxpr.constvars, jaxpr.invars[:n_state + n_batch], cut, [eqns[i] for i in grad_idx],
+        debug_info=info._replace(arg_names=names[:n_state + n_batch], result_paths=cut_names))
+    update = jcore.Jaxpr(
+        jaxpr.constvars, [*jaxpr.invars[:n_state], *cut], jaxpr.outvars,
+        [eqns[i] for i in update_idx],
+        debug_info=info._replace(arg_names=names[:n_state] + cut_names))
+    return StepSplit(jcore.ClosedJaxpr(gradient, closed.consts),
+                     jcore.ClosedJaxpr(update, closed.consts),
+                     tuple(v.aval for v in cut), out_tree,
+                     tuple(_autodiff_phase(eqns[producer[v]]) == "backward" for v in cut),
+                     len(grad_idx), len(update_idx))
+
+
+def _sized_by_batch(train_step: Callable[..., Any], state: Any, batch: Any,
+                    eqns: Sequence[Any]) -> list[bool]:
+    """Per top-level equation, whether it changes with the batch *size* although it may read
+    no batch value (``jnp.ones_like(batch).sum()``, a mean's divisor): the step traced again at
+    twice the batch, equation by equation.
+
+    Raises:
+      PipelineError: the step's structure changes with the batch size.
+    """
+    doubled = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((2 * np.shape(x)[0], *np.shape(x)[1:]), x.dtype), batch)
+    other = jax.make_jaxpr(train_step)(state, doubled).jaxpr.eqns
+    if len(other) != len(eqns) or any(a.primitive != b.primitive
+                                       for a, b in zip(eqns, other, strict=True)):
+        raise PipelineError(format_error(
+            "The train step's equations change with the batch size, so one microbatch program "
+            "cannot stand for the step.",
+            where=f"{len(eqns)} top-level equations at the microbatch size, {len(other)} at "
+                  "twice it",
+            remedy="avoid Python control flow on the batch size inside the step"))
+
+    def signature(e: Any) -> str:
+        literals = [repr(v.val) if not _is_var(v) else "" for v in e.invars]
+        return f"{e.params}|{literals}|{[v.aval for v in e.outvars]}"
+
+    return [signature(a) != signature(b) for a, b in zip(eqns, other, strict=True)]
+
+
+def reduction_kinds(train_step: Callable[..., Any], state: Any, first: Any, second: Any,
+                    split: StepSplit, /) -> tuple[Reduction, ...]:
+    """Whether each cut value accumulates as a mean or a sum over microbatches, measured on two
+    microbatches (concrete arrays of ``split``'s shapes; the module docstring).
+
+    Raises:
+      PipelineError: a cut value is neither a mean nor a sum over the batch.
+    """
+    pair = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), first, second)
+    both = split_step(train_step, state, pair)
+    if [(a.shape, a.dtype) for a in both.cut_avals] != [
+            (a.shape, a.dtype) for a in split.cut_avals]:
+        raise PipelineError(format_error(
+            "The train step's gradient part changes shape with the batch size, so it cannot be "
+            "accumulated over microbatches.",
+            where="cut values " + ", ".join(str(a) for a in split.cut_avals),
+            remedy="return gradients and metrics whose shapes do not depend on the batch size"))
+    leaves = jax.tree.leaves(state)
+    run = jcore.jaxpr_as_fun(split.gradient)
+    f1 = [np.asarray(x, np.float64) for x in run(*leaves, *jax.tree.leaves(first))]
+    f2 = [np.asarray(x, np.float64) for x in run(*leaves, *jax.tree.leaves(second))]
+    f12 = [np.asarray(x, np.float64)
+           for x in jcore.jaxpr_as_fun(both.gradient)(*leaves, *jax.tree.leaves(pair))]
+    groups = [[i for i, b in enumerate(split.cut_backward) if b]]
+    groups += [[i] for i, b in enumerate(split.cut_backward) if not b]
+    kinds: list[Reduction] = ["mean"] * len(f1)
+    for group in groups:
+        if not group:
+            continue
+
+        def norm(xs: Sequence[np.ndarray]) -> float:
+            return float(np.sqrt(sum(float(np.sum(x * x)) for x in xs)))
+
+        separation = norm([(f1[i] + f2[i]) / 2 for i in group])  # |sum - mean|
+        mean_err = norm([f12[i] - (f1[i] + f2[i]) / 2 for i in group])
+        sum_err = norm([f12[i] - (f1[i] + f2[i]) for i in group])
+        if separation == 0.0 or mean_err <= MEAN_SUM_RTOL * separation:
+            continue
+        if sum_err <= MEAN_SUM_RTOL * separation:
+            for i in group:
+                kinds[i] = "sum"
+            continue
+        what = ("the gradients" if split.cut_backward[group[0]]
+                else f"cut value {group[0]} ({split.cut_avals[group[0]]})")
+        raise PipelineError(format_error(
+            "A value the train step hands from its gradient computation to its update (or "
+            "returns) is neither a mean nor a sum over the batch, so it cannot be accumulated "
+            "over microbatches exactly.",
+            where=f"{what}: off a mean by {mean_err:.3g}, off a sum by {sum_err:.3g} "
+                  f"(norm of the value {separation:.3g})",
+            remedy="compute it as a mean or a sum over the batch (a maximum or a per-example "
+                   "statistic cannot be split into microbatches)"))
+    return tuple(kinds)
+
+
+def microbatched(train_step: Callable[..., Any], /, *,
+                 microbatches: int) -> Callable[[Any, Any], Any]:
+    """``train_step`` run as ``microbatches`` equal microbatches: the gradient part once per
+    microbatch (one compiled program), the cut values accumulated as each is a mean or a sum,
+    the update once. The result equals the step on the whole batch up to float rounding.
+
+    The split and the reductions are computed on the first call per state and batch shapes.
+
+    Raises:
+      ConfigError: ``microbatches`` is not a positive integer, or does not divide the batch.
+      PipelineError: the step cannot be cut (see :func:`split_step`, :func:`reduction_kinds`).
+    """
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ConfigError(format_error(
+            "microbatches must be a positive integer.", where="microbatched(microbatches=...)",
+            value=microbatches, remedy="pass 1 or more"))
+    compiled: dict[Any, tuple[StepSplit, tuple[Reduction, ...], Any, Any]] = {}
+
+    def run(state: Any, batch: Any) -> Any:
+        sizes = sorted({int(np.shape(x)[0]) if np.ndim(x) else -1
+                        for x in jax.tree.leaves(batch)})
+        if len(sizes) != 1 or sizes[0] < 1 or sizes[0] % microbatches:
+            raise ConfigError(format_error(
+                f"The batch does not split into {microbatches} equal microbatches.",
+                where="batch leading dimensions (-1: a scalar leaf)", value=sizes,
+                remedy="use one batch size for every leaf, divisible by the microbatch count"))
+        size = sizes[0] // microbatches
+        parts = [jax.tree.map(lambda x, j=j: x[j * size:(j + 1) * size], batch)
+                 for j in range(microbatches)]
+        key = (jax.tree.structure((state, batch)),
+               tuple((np.shape(x), str(getattr(x, "dtype", type(x))))
+                     for x in jax.tree.leaves((state, batch))))
+        if key not in compiled:
+            split = split_step(train_step, state, parts[0])
+            kinds: tuple[Reduction, ...] = (
+                reduction_kinds(train_step, state, parts[0], parts[1], split)
+                if microbatches > 1 else tuple("mean" for _ in split.cut_avals))
+            compiled[key] = (split, kinds, jax.jit(jcore.jaxpr_as_fun(split.gradient)),
+                             jax.jit(jcore.jaxpr_as_fun(split.update)))
+        split, kinds, gradient, update = compiled[key]
+        leaves = jax.tree.leaves(state)
+        total: list[Any] | None = None
+        for mb in parts:
+            values = gradient(*leaves, *jax.tree.leaves(mb))
+            total = list(values) if total is None else [t + v for t, v in
+                                                        zip(total, values, strict=True)]
+        assert total is not None
+        cut = [(t / microbatches).astype(a.dtype) if k == "mean" else t
+               for t, k, a in zip(total, kinds, split.cut_avals, strict=True)]
+        return jax.tree.unflatten(split.out_tree, update(*leaves, *cut))
+
+    return run
