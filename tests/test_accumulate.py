@@ -59,7 +59,7 @@ def _linear_step(reduce):
         def loss(w):
             return reduce((batch["x"] @ w - batch["y"]) ** 2)
         value, grad = jax.value_and_grad(loss)(w)
-        return w - 0.01 * grad, {"loss": value, "count": jnp.sum(jnp.ones_like(batch["y"]))}
+        return w - 0.01 * grad, {"loss": value, "count": jnp.sum(batch["y"] * 0 + 1)}
     return step
 
 
@@ -93,6 +93,17 @@ def test_a_maximum_over_the_batch_is_refused_by_name() -> None:
     with pytest.raises(PipelineError, match="neither a mean nor a sum") as info:
         microbatched(step, microbatches=2)(jnp.ones((3,)), _batch())
     assert "cut value" in str(info.value)
+
+
+def test_a_metric_from_the_batch_shape_alone_is_refused() -> None:
+    # jnp.ones_like(y).sum() reads no batch value: the update part would compute the
+    # microbatch's count. The cut at twice the batch tells.
+    def step(w, batch):
+        grad = jax.grad(lambda w: jnp.mean((batch["x"] @ w) ** 2))(w)
+        return w - grad, {"count": jnp.sum(jnp.ones_like(batch["y"]))}
+
+    with pytest.raises(PipelineError, match="batch's shape alone"):
+        microbatched(step, microbatches=2)(jnp.ones((3,)), _batch())
 
 
 def test_a_step_without_gradients_is_refused() -> None:

@@ -20,7 +20,9 @@ top-level equation goes to
   such equations are recomputed where they are used, which changes no value.
 
 The *cut values* are what the gradient part produces and the update part or the step's outputs
-read: the gradients and the batch-dependent metrics.
+read: the gradients and the batch-dependent metrics. The update part must not change with the
+batch size (the step is cut again at twice the batch and the two update parts compared): a
+value computed from the batch's shape alone would otherwise be the microbatch's.
 
 Accumulation (:func:`reduction_kinds`)
 --------------------------------------
@@ -112,7 +114,8 @@ def _autodiff_phase(eqn: Any) -> str | None:
 
 
 def split_step(train_step: Callable[..., Any], state: Any, batch: Any, /) -> StepSplit:
-    """Cuts ``train_step(state, batch)`` into its gradient and update parts.
+    """Cuts ``train_step(state, batch)`` into its gradient and update parts, and checks that the
+    update part does not change with the batch size (the step cut again at twice the batch).
 
     Args:
       train_step: ``(state, batch) -> outputs``, using ``jax.value_and_grad`` /
@@ -125,21 +128,40 @@ def split_step(train_step: Callable[..., Any], state: Any, batch: Any, /) -> Ste
       The :class:`StepSplit`.
 
     Raises:
-      PipelineError: the step has no backward pass to cut at.
+      PipelineError: the step has no backward pass to cut at, or its update part reads a value
+        computed from the batch's shape alone (``jnp.ones_like(batch).sum()``), which one
+        microbatch's program would get wrong.
     """
+    split = _split(train_step, state, batch)
+    doubled = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct((2 * np.shape(x)[0], *np.shape(x)[1:]),
+                                       np.result_type(getattr(x, "dtype", x))), batch)
+    if str(_split(train_step, state, doubled).update.jaxpr) != str(split.update.jaxpr):
+        raise PipelineError(format_error(
+            "The train step's update (or a returned metric) depends on the batch size through "
+            "a value computed from the batch's shape alone, which a microbatch's program would "
+            "compute for the microbatch instead.",
+            where=f"the update part of {getattr(train_step, '__name__', train_step)!r} "
+                  f"({split.update_eqns} equations)",
+            remedy="compute such values from the batch's contents (e.g. jnp.sum(mask) rather "
+                   "than a shape), or inside the loss"))
+    return split
+
+
+def _split(train_step: Callable[..., Any], state: Any, batch: Any, /) -> StepSplit:
+    """:func:`split_step` without the batch-size check."""
     closed, out_shape = jax.make_jaxpr(train_step, return_shape=True)(state, batch)
     out_tree = jax.tree.structure(out_shape)
     jaxpr = closed.jaxpr
     n_state, n_batch = len(jax.tree.leaves(state)), len(jax.tree.leaves(batch))
     eqns = list(jaxpr.eqns)
-    sized = _sized_by_batch(train_step, state, batch, eqns)
     batch_dep = set(jaxpr.invars[n_state:n_state + n_batch])
     update_dep: set[Any] = set()
     part: list[str] = []
     for e in eqns:
         ins = [v for v in e.invars if _is_var(v)]
         phase = _autodiff_phase(e)
-        reads_batch = any(v in batch_dep for v in ins) or sized[len(part)]
+        reads_batch = any(v in batch_dep for v in ins)
         if phase is not None:
             where = "gradient"
         elif any(v in update_dep for v in ins):
@@ -199,34 +221,6 @@ def split_step(train_step: Callable[..., Any], state: Any, batch: Any, /) -> Ste
                      len(grad_idx), len(update_idx))
 
 
-def _sized_by_batch(train_step: Callable[..., Any], state: Any, batch: Any,
-                    eqns: Sequence[Any]) -> list[bool]:
-    """Per top-level equation, whether it changes with the batch *size* although it may read
-    no batch value (``jnp.ones_like(batch).sum()``, a mean's divisor): the step traced again at
-    twice the batch, equation by equation.
-
-    Raises:
-      PipelineError: the step's structure changes with the batch size.
-    """
-    doubled = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct((2 * np.shape(x)[0], *np.shape(x)[1:]), x.dtype), batch)
-    other = jax.make_jaxpr(train_step)(state, doubled).jaxpr.eqns
-    if len(other) != len(eqns) or any(a.primitive != b.primitive
-                                       for a, b in zip(eqns, other, strict=True)):
-        raise PipelineError(format_error(
-            "The train step's equations change with the batch size, so one microbatch program "
-            "cannot stand for the step.",
-            where=f"{len(eqns)} top-level equations at the microbatch size, {len(other)} at "
-                  "twice it",
-            remedy="avoid Python control flow on the batch size inside the step"))
-
-    def signature(e: Any) -> str:
-        literals = [repr(v.val) if not _is_var(v) else "" for v in e.invars]
-        return f"{e.params}|{literals}|{[v.aval for v in e.outvars]}"
-
-    return [signature(a) != signature(b) for a, b in zip(eqns, other, strict=True)]
-
-
 def reduction_kinds(train_step: Callable[..., Any], state: Any, first: Any, second: Any,
                     split: StepSplit, /) -> tuple[Reduction, ...]:
     """Whether each cut value accumulates as a mean or a sum over microbatches, measured on two
@@ -236,7 +230,7 @@ def reduction_kinds(train_step: Callable[..., Any], state: Any, first: Any, seco
       PipelineError: a cut value is neither a mean nor a sum over the batch.
     """
     pair = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), first, second)
-    both = split_step(train_step, state, pair)
+    both = _split(train_step, state, pair)
     if [(a.shape, a.dtype) for a in both.cut_avals] != [
             (a.shape, a.dtype) for a in split.cut_avals]:
         raise PipelineError(format_error(
