@@ -28,28 +28,15 @@ from typing import Any
 import jax
 import numpy as np
 from jax.extend import core as jcore
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardplan.errors import ConfigError, PlanMismatchError, format_error
+from shardplan.errors import ConfigError, format_error
 from shardplan.plan import Plan
 from shardplan.runtime.accumulate import StepSplit, reduction_kinds, split_step
-from shardplan.runtime.constrain import partition_spec
+from shardplan.runtime.spmd import leaf_shardings, stage_mesh
 
 __all__ = ["ReplicatedStep"]
-
-
-def _mesh(plan: Plan, index: int) -> Mesh:
-    stage = plan.stages[index]
-    devices = jax.devices()
-    if max(stage.mesh.device_ids) >= len(devices):
-        raise PlanMismatchError(format_error(
-            "The plan uses more devices than jax sees.", where=f"plan.stages[{index}].mesh",
-            value=(stage.mesh.device_ids, len(devices)),
-            remedy="run on the machine the plan was made for"))
-    grid = np.array([devices[i] for i in stage.mesh.device_ids]).reshape(stage.mesh.axis_sizes)
-    return Mesh(grid, stage.mesh.axis_names,
-                axis_types=(AxisType.Auto,) * len(stage.mesh.axis_names))
 
 
 class ReplicatedStep:
@@ -59,21 +46,10 @@ class ReplicatedStep:
         self._step = train_step
         self.plan = plan
         self._stages = [replica.stages[0] for replica in plan.replicas]
-        self._meshes = [_mesh(plan, s) for s in self._stages]
+        self._meshes = [stage_mesh(plan, s) for s in self._stages]
         self._counts = plan.replica_microbatches
         self._ready: tuple[StepSplit, tuple[str, ...], list[Any], Any, list[Any],
                            list[Any]] | None = None
-
-    def _shardings(self, tree: Any, specs: Any, mesh: Mesh, what: str) -> Any:
-        def one(path: Any, leaf: Any) -> NamedSharding:
-            key = jax.tree_util.keystr(path, simple=True, separator="/")
-            if key not in specs:
-                raise PlanMismatchError(format_error(
-                    f"The {what} has a leaf the plan does not know.", where=key,
-                    value=getattr(leaf, "shape", None),
-                    remedy="make the plan for this state and batch"))
-            return NamedSharding(mesh, partition_spec(specs[key]))
-        return jax.tree_util.tree_map_with_path(one, tree)
 
     def _prepare(self, state: Any, parts: Sequence[Any]) -> None:
         split = split_step(self._step, state, parts[0])
@@ -83,8 +59,8 @@ class ReplicatedStep:
         grad_fns, state_shs = [], []
         for stage, mesh in zip(self._stages, self._meshes, strict=True):
             layout = self.plan.layouts[self.plan.stages[stage].layout]
-            state_sh = self._shardings(state, layout.param_specs, mesh, "state")
-            batch_sh = self._shardings(parts[0], layout.batch_specs, mesh, "batch")
+            state_sh = leaf_shardings(state, layout.param_specs, mesh, "state")
+            batch_sh = leaf_shardings(parts[0], layout.batch_specs, mesh, "batch")
             state_shs.append(state_sh)
             grad_fns.append(jax.jit(gradient, in_shardings=(*jax.tree.leaves(state_sh),
                                                             *jax.tree.leaves(batch_sh))))

@@ -19,7 +19,42 @@ from shardplan.errors import PipelineError, PlanMismatchError, format_error
 from shardplan.plan import Plan
 from shardplan.runtime.constrain import constrained, parse_path, partition_spec
 
-__all__ = ["PlannedStep", "apply_plan"]
+__all__ = ["PlannedStep", "apply_plan", "leaf_shardings", "stage_mesh"]
+
+
+def stage_mesh(plan: Plan, index: int) -> jax.sharding.Mesh:
+    """The mesh of ``plan.stages[index]`` over ``jax.devices()``, with *Auto* axes.
+
+    Raises:
+      PlanMismatchError: the plan names more devices than jax sees.
+    """
+    stage = plan.stages[index]
+    devices = jax.devices()
+    if max(stage.mesh.device_ids) >= len(devices):
+        raise PlanMismatchError(format_error(
+            "The plan uses more devices than jax sees.", where=f"plan.stages[{index}].mesh",
+            value=(stage.mesh.device_ids, len(devices)),
+            remedy="run on the machine the plan was made for"))
+    grid = np.array([devices[i] for i in stage.mesh.device_ids]).reshape(stage.mesh.axis_sizes)
+    return jax.sharding.Mesh(grid, stage.mesh.axis_names,
+                             axis_types=(AxisType.Auto,) * len(stage.mesh.axis_names))
+
+
+def leaf_shardings(tree: Any, specs: Any, mesh: jax.sharding.Mesh, what: str) -> Any:
+    """Per leaf of ``tree``, the ``NamedSharding`` of its spec in ``specs`` (by key path).
+
+    Raises:
+      PlanMismatchError: a leaf the plan has no spec for.
+    """
+    def one(path: Any, leaf: Any) -> NamedSharding:
+        key = jax.tree_util.keystr(path, simple=True, separator="/")
+        if key not in specs:
+            raise PlanMismatchError(format_error(
+                f"The {what} has a leaf the plan does not know.", where=key,
+                value=getattr(leaf, "shape", None),
+                remedy="make the plan for this state and batch"))
+        return NamedSharding(mesh, partition_spec(specs[key]))
+    return jax.tree_util.tree_map_with_path(one, tree)
 
 
 def _placed(tree: Any, shardings: Any) -> Any:
@@ -44,38 +79,14 @@ class PlannedStep:
                 value=len(plan.stages), remedy="use a single-mesh plan"))
         self._step = train_step
         self.plan = plan
-        stage = plan.stages[0]
-        devices = jax.devices()
-        if max(stage.mesh.device_ids) >= len(devices):
-            raise PlanMismatchError(format_error(
-                "The plan uses more devices than jax sees.", where="plan.stages[0].mesh",
-                value=(stage.mesh.device_ids, len(devices)),
-                remedy="run on the machine the plan was made for"))
-        grid = np.array([devices[i] for i in stage.mesh.device_ids]).reshape(
-            stage.mesh.axis_sizes)
-        self.mesh = jax.sharding.Mesh(grid, stage.mesh.axis_names,
-                                      axis_types=(AxisType.Auto,) * len(stage.mesh.axis_names))
+        self.mesh = stage_mesh(plan, 0)
         self._jitted: Any = None
         self._shardings: Any = None
 
     def _shardings_for(self, state: Any, batch: Any) -> tuple[Any, Any, Any]:
-        def leaf_sharding(table: Any, arg: str):
-            def one(path: Any, leaf: Any) -> NamedSharding:
-                key = jax.tree_util.keystr(path, simple=True, separator="/")
-                if key not in table:
-                    raise PlanMismatchError(format_error(
-                        f"The {arg} has a leaf the plan does not know.", where=key,
-                        value=getattr(leaf, "shape", None),
-                        remedy="make the plan for this state and batch"))
-                spec = table[key]
-                spec = spec[1] if arg == "state" else spec
-                return NamedSharding(self.mesh, partition_spec(spec))
-            return one
-
-        state_sh = jax.tree_util.tree_map_with_path(
-            leaf_sharding(self.plan.param_specs, "state"), state)
-        batch_sh = jax.tree_util.tree_map_with_path(
-            leaf_sharding(self.plan.batch_specs, "batch"), batch)
+        param_specs = {k: spec for k, (_, spec) in self.plan.param_specs.items()}
+        state_sh = leaf_shardings(state, param_specs, self.mesh, "state")
+        batch_sh = leaf_shardings(batch, self.plan.batch_specs, self.mesh, "batch")
         out = jax.eval_shape(self._step, state, batch)
         metrics_sh = jax.tree.map(lambda _: NamedSharding(self.mesh, P()), out[1])
         return state_sh, batch_sh, (state_sh, metrics_sh)
