@@ -65,7 +65,8 @@ from jax.extend import core as jcore
 
 from shardplan.errors import ConfigError, PipelineError, format_error
 
-__all__ = ["MEAN_SUM_RTOL", "StepSplit", "microbatched", "reduction_kinds", "split_step"]
+__all__ = ["MEAN_SUM_RTOL", "StepSplit", "autodiff_phase", "microbatched", "reduction_kinds",
+           "split_step"]
 
 Reduction = Literal["mean", "sum"]
 
@@ -89,6 +90,7 @@ class StepSplit:
       cut_backward: per cut value, whether the backward pass produced it (a gradient).
       gradient_eqns: top-level equations in the gradient part.
       update_eqns: top-level equations in the update part.
+      gradient_index: the gradient part's equations' indices in the step's top-level jaxpr.
     """
 
     gradient: jcore.ClosedJaxpr
@@ -98,13 +100,16 @@ class StepSplit:
     cut_backward: tuple[bool, ...]
     gradient_eqns: int
     update_eqns: int
+    gradient_index: tuple[int, ...] = ()
 
 
 def _is_var(v: Any) -> bool:
     return not isinstance(v, jcore.Literal)
 
 
-def _autodiff_phase(eqn: Any) -> str | None:
+def autodiff_phase(eqn: Any) -> str | None:
+    """``"forward"`` or ``"backward"`` for an equation JAX's autodiff emitted (by its name
+    stack), else ``None``."""
     stack = str(eqn.source_info.name_stack)
     if "transpose(" in stack:
         return "backward"
@@ -160,7 +165,7 @@ def _split(train_step: Callable[..., Any], state: Any, batch: Any, /) -> StepSpl
     part: list[str] = []
     for e in eqns:
         ins = [v for v in e.invars if _is_var(v)]
-        phase = _autodiff_phase(e)
+        phase = autodiff_phase(e)
         reads_batch = any(v in batch_dep for v in ins)
         if phase is not None:
             where = "gradient"
@@ -175,7 +180,7 @@ def _split(train_step: Callable[..., Any], state: Any, batch: Any, /) -> StepSpl
         if phase is not None or reads_batch:
             batch_dep.update(e.outvars)
         part.append(where)
-    if "gradient" not in part or not any(_autodiff_phase(e) == "backward" for e in eqns):
+    if "gradient" not in part or not any(autodiff_phase(e) == "backward" for e in eqns):
         raise PipelineError(format_error(
             "The train step has no backward pass to cut into microbatches.",
             where=f"train step {getattr(train_step, '__name__', train_step)!r}",
@@ -217,8 +222,8 @@ def _split(train_step: Callable[..., Any], state: Any, batch: Any, /) -> StepSpl
     return StepSplit(jcore.ClosedJaxpr(gradient, closed.consts),
                      jcore.ClosedJaxpr(update, closed.consts),
                      tuple(v.aval for v in cut), out_tree,
-                     tuple(_autodiff_phase(eqns[producer[v]]) == "backward" for v in cut),
-                     len(grad_idx), len(update_idx))
+                     tuple(autodiff_phase(eqns[producer[v]]) == "backward" for v in cut),
+                     len(grad_idx), len(update_idx), tuple(grad_idx))
 
 
 def reduction_kinds(train_step: Callable[..., Any], state: Any, first: Any, second: Any,

@@ -126,14 +126,7 @@ def apply_plan(train_step: Callable[..., Any], plan: Plan, /) -> PlannedStep:
     read after the call (one that is placed by the call, e.g. a fresh one, is copied first).
     """
     if len(plan.stages) > 1 or plan.microbatches > 1:
-        if any(len(r.stages) > 1 for r in plan.replicas):
-            raise PipelineError(format_error(
-                "Plans whose replicas are pipelines of several stages cannot run yet: the "
-                "pipeline executor is not built.", where="plan.replicas",
-                value=[len(r.stages) for r in plan.replicas],
-                remedy="make the plan with PlanConfig(max_stages=1) (data parallelism across "
-                       "device types) until it is"))
-        from shardplan.runtime.replicas import ReplicatedStep
+        from shardplan.runtime.pipeline import PipelinedStep
 
-        return ReplicatedStep(train_step, plan)  # type: ignore[return-value]
+        return PipelinedStep(train_step, plan)  # type: ignore[return-value]
     return PlannedStep(train_step, plan)
