@@ -18,9 +18,9 @@ from shardplan.plan.plan import Layout, MeshSpec, ReplicaSpec, Stage
 RTOL = ATOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def gpt():
-    config = models.load_model_config("gpt-tiny")
+def _planned(name: str):
+    """A tiny model, its step and its one-stage-replica plan on 4 A100 + 4 V100 (local)."""
+    config = models.load_model_config(name)
     graphdef, state = models.init_train_state(config, seed=0)
     step = models.make_train_step(graphdef)
     batch = models.example_batch(config, 16, seed=0)
@@ -28,6 +28,11 @@ def gpt():
     plan = sp.make_plan(step, jax.eval_shape(lambda: state), jax.eval_shape(lambda: batch),
                         cluster=cluster, config=sp.PlanConfig(max_stages=1))
     return config, state, step, plan
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return _planned("gpt-tiny")
 
 
 def _three_steps(config, state, step, plan):
@@ -143,13 +148,8 @@ def test_interleaved_plans_are_refused_by_name(gpt) -> None:
 
 
 def test_a_scanned_stack_split_across_stages_is_refused_by_name() -> None:
-    config = models.load_model_config("gpt-tiny-scan")
-    graphdef, state = models.init_train_state(config, seed=0)
-    step = models.make_train_step(graphdef)
+    config, state, step, plan = _planned("gpt-tiny-scan")
     batch = models.example_batch(config, 16, seed=0)
-    cluster = sp.Cluster.local(types={"a100-80g": 4, "v100-32g": 4})
-    plan = sp.make_plan(step, jax.eval_shape(lambda: state), jax.eval_shape(lambda: batch),
-                        cluster=cluster, config=sp.PlanConfig(max_stages=1))
     names = [n for n in plan.stages[0].layers if n != "shared"]
     cut = names.index("blocks.1")
     piped = _pipeline(plan, [[("a100-80g", (0,), tuple(names[:cut])),

@@ -269,99 +269,120 @@ class PipelinedStep:
         split, kinds, tasks, shardings, cut_sh, update, home = self._ready
         cut_index = {v: i for i, v in enumerate(split.gradient.jaxpr.outvars)}
         sums: list[Any] = [None] * len(cut_index)
-        placed_state: dict[int, list[Any]] = {}
+        placed: dict[int, list[Any]] = {}  # the state on each stage
         first = 0
-        for r, replica in enumerate(self.plan.replicas):
-            stage_ids = list(replica.stages)
-            batches: dict[tuple[int, int], list[Any]] = {}
-            # A value stays where it was produced until the stages that read it fetch it, each
-            # when its first task reading it runs (a stage receives an activation when it runs
-            # the forward that needs it), and every copy is dropped after its last reader.
-            # peak_microbatches counts, per stage, the microbatches it holds values for that
-            # its own backward will read: the activations saved for the backward.
-            readers: dict[tuple[Any, int], list[int]] = {}  # (value, stage) -> reader orders
-            for task in tasks[r]:
-                for kind, what in task.inputs:
-                    if kind == "value":
-                        readers.setdefault((what, stage_ids[task.stage]), []).append(task.order)
-            k = len(stage_ids)
-            stages_reading: dict[Any, set[int]] = {}
-            for v, at in readers:
-                stages_reading.setdefault(v, set()).add(at)
-            copies: dict[tuple[Any, int, int], Any] = {}  # (value, microbatch, stage)
-            left: dict[tuple[Any, int, int], int] = {}  # reads still to come
-            saved: dict[tuple[Any, int, int], int] = {}  # backward reads still to come
-            source: dict[tuple[Any, int], int] = {}  # where each value was produced
-            fetches: dict[tuple[Any, int], int] = {}  # stages still to fetch it
-            local: list[Any] = [None] * len(cut_index)
-            held: dict[tuple[int, int], int] = {}  # (stage, microbatch) -> saved values
-
-            def drop(v: Any, j: int, at: int, copies: dict = copies, saved: dict = saved,
-                     held: dict = held) -> None:
-                del copies[v, j, at]
-                if saved.pop((v, j, at), 0):
-                    held[at, j] -= 1
-
-            for task, j in self._issue_order(r, tasks[r]):
-                index = stage_ids[task.stage]
-                state_sh, batch_sh = shardings[index]
-                if index not in placed_state:
-                    placed_state[index] = jax.tree.leaves(jax.device_put(state, state_sh))
-                if (index, j) not in batches:
-                    batches[index, j] = jax.tree.leaves(
-                        jax.device_put(parts[first + j], batch_sh))
-                args = []
-                for kind, what in task.inputs:
-                    if kind == "state":
-                        args.append(placed_state[index][what])
-                        continue
-                    if kind == "batch":
-                        args.append(batches[index, j][what])
-                        continue
-                    if (what, j, index) not in copies:  # fetch it from where it was made
-                        home_stage = source[what, j]
-                        copies[what, j, index] = jax.device_put(
-                            copies[what, j, home_stage], NamedSharding(self._meshes[index], P()))
-                        left[what, j, index] = len(readers[what, index])
-                        backward = sum(o >= k for o in readers[what, index])
-                        if backward:
-                            saved[what, j, index] = backward
-                            held[index, j] = held.get((index, j), 0) + 1
-                        fetches[what, j] -= 1
-                        if not fetches[what, j] and not left.get((what, j, home_stage)):
-                            drop(what, j, home_stage)
-                    args.append(copies[what, j, index])
-                    left[what, j, index] -= 1
-                    if task.order >= k and saved.get((what, j, index)):
-                        saved[what, j, index] -= 1
-                        if not saved[what, j, index]:
-                            del saved[what, j, index]
-                            held[index, j] -= 1
-                    if not left[what, j, index] and (source[what, j] != index
-                                                     or not fetches[what, j]):
-                        drop(what, j, index)
-                for v, x in zip(task.outputs, task.fn(*args), strict=True):
-                    if v in stages_reading:
-                        copies[v, j, index], source[v, j] = x, index
-                        fetches[v, j] = len(stages_reading[v] - {index})
-                        mine = readers.get((v, index), [])
-                        left[v, j, index] = len(mine)
-                        backward = sum(o >= k for o in mine)
-                        if backward:
-                            saved[v, j, index] = backward
-                            held[index, j] = held.get((index, j), 0) + 1
-                    if v in cut_index:
-                        i = cut_index[v]
-                        local[i] = x if local[i] is None else local[i] + x
-                live = sum(1 for (at, _), n in held.items() if at == index and n > 0)
-                self.peak_microbatches[index] = max(self.peak_microbatches.get(index, 0), live)
+        for r, count in enumerate(self._counts):
+            local = self._run_replica(r, tasks[r], state, shardings, parts[first:first + count],
+                                      placed, cut_index)
             for i, x in enumerate(local):
                 if x is not None:
                     x = jax.device_put(x, cut_sh[i])
                     sums[i] = x if sums[i] is None else sums[i] + x
-            first += self._counts[r]
+            first += count
         cut = [(s / total).astype(a.dtype) if k == "mean" else s
                for s, k, a in zip(sums, kinds, split.cut_avals, strict=True)]
-        home_state = placed_state.get(home) or jax.tree.leaves(
-            jax.device_put(state, shardings[home][0]))
+        home_state = placed.get(home) or jax.tree.leaves(jax.device_put(state, shardings[home][0]))
         return jax.tree.unflatten(split.out_tree, update(*home_state, *cut))
+
+    def _run_replica(self, r: int, tasks: list[_Task], state: Any, shardings: dict[int, Any],
+                     parts: Sequence[Any], placed: dict[int, list[Any]],
+                     cut_index: dict[Any, int]) -> list[Any]:
+        """Runs replica ``r``'s tasks on its microbatches; its cut values summed where they
+        were produced."""
+        stage_ids = list(self.plan.replicas[r].stages)
+        values = _Values(tasks, stage_ids, self._meshes)
+        batches: dict[tuple[int, int], list[Any]] = {}
+        local: list[Any] = [None] * len(cut_index)
+        for task, j in self._issue_order(r, tasks):
+            index = stage_ids[task.stage]
+            state_sh, batch_sh = shardings[index]
+            if index not in placed:
+                placed[index] = jax.tree.leaves(jax.device_put(state, state_sh))
+            if (index, j) not in batches:
+                batches[index, j] = jax.tree.leaves(jax.device_put(parts[j], batch_sh))
+            args = [placed[index][what] if kind == "state" else
+                    batches[index, j][what] if kind == "batch" else
+                    values.get(what, j, index, task.order) for kind, what in task.inputs]
+            for v, x in zip(task.outputs, task.fn(*args), strict=True):
+                values.put(v, j, index, x)
+                if v in cut_index:
+                    i = cut_index[v]
+                    local[i] = x if local[i] is None else local[i] + x
+            self.peak_microbatches[index] = max(self.peak_microbatches.get(index, 0),
+                                                values.saved_microbatches(index))
+        return local
+
+
+class _Values:
+    """The values crossing one replica's tasks, per microbatch and stage.
+
+    A value stays where it was produced until the stages that read it fetch it, each when its
+    first task reading it runs (a stage receives an activation when it runs the forward that
+    needs it, with ``jax.device_put``), and every copy is dropped after its last reader. A
+    stage *saves* microbatch ``j`` while it holds a value that its own backward of ``j`` will
+    read (the activations kept for the backward).
+    """
+
+    def __init__(self, tasks: Sequence[_Task], stage_ids: Sequence[int],
+                 meshes: dict[int, Any]) -> None:
+        self.k = len(stage_ids)
+        self.meshes = meshes
+        self.readers: dict[tuple[Any, int], list[int]] = {}  # (value, stage) -> reader orders
+        for task in tasks:
+            for kind, what in task.inputs:
+                if kind == "value":
+                    self.readers.setdefault((what, stage_ids[task.stage]), []).append(
+                        task.order)
+        self.stages_reading: dict[Any, set[int]] = {}
+        for v, at in self.readers:
+            self.stages_reading.setdefault(v, set()).add(at)
+        self.copies: dict[tuple[Any, int, int], Any] = {}  # (value, microbatch, stage)
+        self.left: dict[tuple[Any, int, int], int] = {}  # reads still to come
+        self.saved: dict[tuple[Any, int, int], int] = {}  # backward reads still to come
+        self.source: dict[tuple[Any, int], int] = {}  # the stage that produced it
+        self.fetches: dict[tuple[Any, int], int] = {}  # stages still to fetch it
+        self.held: dict[tuple[int, int], int] = {}  # (stage, microbatch) -> saved values
+
+    def _keep(self, v: Any, j: int, at: int, x: Any) -> None:
+        orders = self.readers.get((v, at), [])
+        self.copies[v, j, at], self.left[v, j, at] = x, len(orders)
+        backward = sum(o >= self.k for o in orders)
+        if backward:
+            self.saved[v, j, at] = backward
+            self.held[at, j] = self.held.get((at, j), 0) + 1
+
+    def _drop(self, v: Any, j: int, at: int) -> None:
+        del self.copies[v, j, at]
+        if self.saved.pop((v, j, at), 0):
+            self.held[at, j] -= 1
+
+    def put(self, v: Any, j: int, at: int, x: Any) -> None:
+        """Task output ``v`` of microbatch ``j``, produced on stage ``at``."""
+        if v in self.stages_reading:
+            self._keep(v, j, at, x)
+            self.source[v, j] = at
+            self.fetches[v, j] = len(self.stages_reading[v] - {at})
+
+    def get(self, v: Any, j: int, at: int, order: int) -> Any:
+        """Value ``v`` of microbatch ``j`` for the task of ``order`` on stage ``at``."""
+        if (v, j, at) not in self.copies:  # fetch it from where it was produced
+            origin = self.source[v, j]
+            self._keep(v, j, at, jax.device_put(self.copies[v, j, origin],
+                                                NamedSharding(self.meshes[at], P())))
+            self.fetches[v, j] -= 1
+            if not self.fetches[v, j] and not self.left[v, j, origin]:
+                self._drop(v, j, origin)
+        x = self.copies[v, j, at]
+        self.left[v, j, at] -= 1
+        if order >= self.k and self.saved.get((v, j, at)):
+            self.saved[v, j, at] -= 1
+            if not self.saved[v, j, at]:
+                del self.saved[v, j, at]
+                self.held[at, j] -= 1
+        if not self.left[v, j, at] and (self.source[v, j] != at or not self.fetches[v, j]):
+            self._drop(v, j, at)
+        return x
+
+    def saved_microbatches(self, at: int) -> int:
+        """The microbatches stage ``at`` saves values for now."""
+        return sum(1 for (s, _), n in self.held.items() if s == at and n > 0)
