@@ -66,7 +66,7 @@ from jax.extend import core as jcore
 from shardplan.errors import ConfigError, PipelineError, format_error
 
 __all__ = ["MEAN_SUM_RTOL", "StepSplit", "autodiff_phase", "microbatched", "reduction_kinds",
-           "split_step"]
+           "split_batch", "split_step"]
 
 Reduction = Literal["mean", "sum"]
 
@@ -226,6 +226,10 @@ def _split(train_step: Callable[..., Any], state: Any, batch: Any, /) -> StepSpl
                      len(grad_idx), len(update_idx), tuple(grad_idx))
 
 
+def _norm(xs: Sequence[np.ndarray]) -> float:
+    return float(np.sqrt(sum(float(np.sum(x * x)) for x in xs)))
+
+
 def reduction_kinds(train_step: Callable[..., Any], state: Any, first: Any, second: Any,
                     split: StepSplit, /) -> tuple[Reduction, ...]:
     """Whether each cut value accumulates as a mean or a sum over microbatches, measured on two
@@ -255,13 +259,9 @@ def reduction_kinds(train_step: Callable[..., Any], state: Any, first: Any, seco
     for group in groups:
         if not group:
             continue
-
-        def norm(xs: Sequence[np.ndarray]) -> float:
-            return float(np.sqrt(sum(float(np.sum(x * x)) for x in xs)))
-
-        separation = norm([(f1[i] + f2[i]) / 2 for i in group])  # |sum - mean|
-        mean_err = norm([f12[i] - (f1[i] + f2[i]) / 2 for i in group])
-        sum_err = norm([f12[i] - (f1[i] + f2[i]) for i in group])
+        separation = _norm([(f1[i] + f2[i]) / 2 for i in group])  # |sum - mean|
+        mean_err = _norm([f12[i] - (f1[i] + f2[i]) / 2 for i in group])
+        sum_err = _norm([f12[i] - (f1[i] + f2[i]) for i in group])
         if separation == 0.0 or mean_err <= MEAN_SUM_RTOL * separation:
             continue
         if sum_err <= MEAN_SUM_RTOL * separation:
@@ -279,6 +279,26 @@ def reduction_kinds(train_step: Callable[..., Any], state: Any, first: Any, seco
             remedy="compute it as a mean or a sum over the batch (a maximum or a per-example "
                    "statistic cannot be split into microbatches)"))
     return tuple(kinds)
+
+
+def split_batch(batch: Any, microbatches: int, /, *, size: int | None = None) -> list[Any]:
+    """``batch`` cut along its leading dimension into ``microbatches`` equal microbatches (of
+    ``size`` samples each, when given).
+
+    Raises:
+      ConfigError: the leaves' leading dimensions differ, or do not split so.
+    """
+    sizes = sorted({int(np.shape(x)[0]) if np.ndim(x) else -1 for x in jax.tree.leaves(batch)})
+    each = sizes[0] // microbatches if len(sizes) == 1 and sizes[0] > 0 else 0
+    if not each or sizes[0] % microbatches or (size is not None and each != size):
+        want = f" of {size} samples" if size is not None else ""
+        raise ConfigError(format_error(
+            f"The batch does not split into {microbatches} equal microbatches{want}.",
+            where="batch leading dimensions (-1: a scalar leaf)", value=sizes,
+            remedy="pass one batch size on every leaf: the microbatch count times the "
+                   "microbatch size (the batch the plan was made for)"))
+    return [jax.tree.map(lambda x, j=j: x[j * each:(j + 1) * each], batch)
+            for j in range(microbatches)]
 
 
 def microbatched(train_step: Callable[..., Any], /, *,
@@ -300,16 +320,7 @@ def microbatched(train_step: Callable[..., Any], /, *,
     compiled: dict[Any, tuple[StepSplit, tuple[Reduction, ...], Any, Any]] = {}
 
     def run(state: Any, batch: Any) -> Any:
-        sizes = sorted({int(np.shape(x)[0]) if np.ndim(x) else -1
-                        for x in jax.tree.leaves(batch)})
-        if len(sizes) != 1 or sizes[0] < 1 or sizes[0] % microbatches:
-            raise ConfigError(format_error(
-                f"The batch does not split into {microbatches} equal microbatches.",
-                where="batch leading dimensions (-1: a scalar leaf)", value=sizes,
-                remedy="use one batch size for every leaf, divisible by the microbatch count"))
-        size = sizes[0] // microbatches
-        parts = [jax.tree.map(lambda x, j=j: x[j * size:(j + 1) * size], batch)
-                 for j in range(microbatches)]
+        parts = split_batch(batch, microbatches)
         key = (jax.tree.structure((state, batch)),
                tuple((np.shape(x), str(getattr(x, "dtype", type(x))))
                      for x in jax.tree.leaves((state, batch))))

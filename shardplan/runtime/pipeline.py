@@ -41,17 +41,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import numpy as np
 from jax.extend import core as jcore
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardplan.errors import ConfigError, PipelineError, format_error
+from shardplan.errors import PipelineError, format_error
 from shardplan.plan import Plan
 from shardplan.runtime.accumulate import (
     StepSplit,
     autodiff_phase,
     reduction_kinds,
+    split_batch,
     split_step,
 )
 from shardplan.runtime.spmd import leaf_shardings, stage_mesh
@@ -84,19 +84,19 @@ def _is_var(v: Any) -> bool:
     return not isinstance(v, jcore.Literal)
 
 
-def _layer_of_equations(step: Callable[..., Any], state: Any, batch: Any,
-                        count: int) -> list[frozenset[str]]:
-    """Per top-level equation of the step's jaxpr at these shapes, the names of the layers its
-    ops belong to (:func:`shardplan.trace`)."""
+def _layer_of_equations(step: Callable[..., Any], state: Any,
+                        batch: Any) -> dict[int, frozenset[str]]:
+    """Per top-level equation index of the step's jaxpr at these shapes, the names of the
+    layers its ops belong to (:func:`shardplan.trace`; equations with no op: absent)."""
     from shardplan.trace import trace
 
     graph = trace(step, jax.eval_shape(lambda: state), jax.eval_shape(lambda: batch))
     names = [layer.name for layer in graph.layers]
-    out: list[set[str]] = [set() for _ in range(count)]
+    out: dict[int, set[str]] = {}
     for op in graph.ops:
-        if op.path is not None and op.path[0] < count:
-            out[op.path[0]].update(names[i] for i in op.layers)
-    return [frozenset(x) for x in out]
+        if op.path is not None:
+            out.setdefault(op.path[0], set()).update(names[i] for i in op.layers)
+    return {i: frozenset(x) for i, x in out.items()}
 
 
 class PipelinedStep:
@@ -122,7 +122,7 @@ class PipelinedStep:
 
     # -- preparation ----------------------------------------------------------------------
 
-    def _tasks(self, split: StepSplit, labels: list[frozenset[str]], replica: int,
+    def _tasks(self, split: StepSplit, labels: dict[int, frozenset[str]], replica: int,
                state: Any, batch: Any) -> list[_Task]:
         plan = self.plan
         stages = [plan.stages[i] for i in plan.replicas[replica].stages]
@@ -137,7 +137,8 @@ class PipelinedStep:
         producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
         order: list[int | None] = []
         for i, e in enumerate(eqns):
-            held = {owner[n] for n in labels[split.gradient_index[i]] if n in owner}
+            names = labels.get(split.gradient_index[i], frozenset())
+            held = {owner[n] for n in names if n in owner}
             ins = [producer[v] for v in e.invars if _is_var(v) and v in producer]
             known = [o for j in ins if (o := order[j]) is not None]
             earliest = max(known) if known else None
@@ -145,7 +146,7 @@ class PipelinedStep:
                 raise PipelineError(format_error(
                     "An equation of the step belongs to layers of several stages.",
                     where=f"equation {split.gradient_index[i]} ({e.primitive}), layers "
-                          f"{sorted(labels[split.gradient_index[i]])}",
+                          f"{sorted(names)}",
                     remedy="cut the stages at layer boundaries that no op crosses (a scanned "
                            "stack must sit on one stage)"))
             if held:
@@ -160,11 +161,13 @@ class PipelinedStep:
             else:
                 order.append(earliest)
         # Equations of no stage that read only the state and the batch: the earliest reader.
-        readers: dict[int, list[int]] = {}
+        readers: dict[int, list[int]] = {}  # equation -> equations reading one of its results
+        var_readers: dict[Any, list[int]] = {}  # value -> equations reading it
         for i, e in enumerate(eqns):
             for v in e.invars:
                 if _is_var(v) and v in producer:
                     readers.setdefault(producer[v], []).append(i)
+                    var_readers.setdefault(v, []).append(i)
         for i in range(len(eqns) - 1, -1, -1):
             if order[i] is None:
                 later = [o for j in readers.get(i, ()) if (o := order[j]) is not None]
@@ -186,8 +189,7 @@ class PipelinedStep:
                             and v not in jaxpr.constvars:
                         inputs.append(v)
             outputs = [v for v in defined
-                       if v in cut or any((order[j] or 0) > o
-                                          for j in readers.get(producer[v], ()))]
+                       if v in cut or any((order[j] or 0) > o for j in var_readers.get(v, ()))]
             outputs.sort(key=lambda v: (producer[v], str(v)))
             sub = jcore.Jaxpr(jaxpr.constvars, inputs, outputs, [eqns[i] for i in mine],
                               debug_info=jaxpr.debug_info._replace(
@@ -203,8 +205,7 @@ class PipelinedStep:
         split = split_step(self._step, state, parts[0])
         kinds = (reduction_kinds(self._step, state, parts[0], parts[1], split)
                  if len(parts) > 1 else tuple("mean" for _ in split.cut_avals))
-        closed = jax.make_jaxpr(self._step)(state, parts[0])
-        labels = _layer_of_equations(self._step, state, parts[0], len(closed.jaxpr.eqns))
+        labels = _layer_of_equations(self._step, state, parts[0])
         tasks = [self._tasks(split, labels, r, state, parts[0])
                  for r in range(len(self.plan.replicas))]
         plan = self.plan
@@ -254,16 +255,8 @@ class PipelinedStep:
         return out
 
     def __call__(self, state: Any, batch: Any) -> Any:
-        mb, total = self.plan.microbatch_size, sum(self._counts)
-        sizes = sorted({int(np.shape(x)[0]) if np.ndim(x) else -1
-                        for x in jax.tree.leaves(batch)})
-        if sizes != [mb * total]:
-            raise ConfigError(format_error(
-                f"The plan runs {total} microbatches of {mb} samples: the batch must have "
-                f"{mb * total} on every leaf.", where="batch leading dimensions", value=sizes,
-                remedy="pass the batch the plan was made for"))
-        parts = [jax.tree.map(lambda x, j=j: x[j * mb:(j + 1) * mb], batch)
-                 for j in range(total)]
+        total = sum(self._counts)
+        parts = split_batch(batch, total, size=self.plan.microbatch_size)
         if self._ready is None:
             self._prepare(state, parts)
         split, kinds, tasks, shardings, cut_sh, update, home = self._ready

@@ -339,17 +339,21 @@ def shape_of(problem: PipelineProblem, mb: int, schedule: Schedule, v: int,
         if stage_of[a] != stage_of[b]:
             sa, sb = stages[stage_of[a]], stages[stage_of[b]]
             hops.append(_hop(problem, (sa.group, sa.devices), (sb.group, sb.devices), a, mb))
-    if v == 1:
-        seconds, bott = sum(times) + sum(hops), period_1f1b(times, hops)
-    else:
-        seconds = sum(times) + v * sum(hops)
-        bott = max(max(times), v * max(hops, default=0.0) / 2)
+    fill, bott = shape_timing(times, hops, v)
     step = k if schedule == "interleaved" and v > 1 else 1
     cap -= cap % step
     if cap < step:
         return None
-    return Shape(tuple(stages), tuple(usage), fill_s(seconds, bott, v), bott, cap, step, sigma,
-                 update)
+    return Shape(tuple(stages), tuple(usage), fill, bott, cap, step, sigma, update)
+
+
+def shape_timing(times: Sequence[float], hops: Sequence[float], v: int) -> tuple[float, float]:
+    """A whole replica's ``(fill_s, bottleneck_s)`` from its stage times and its round trips in
+    the order a microbatch crosses them (:func:`~shardplan.solver.pipeline.replica_time`)."""
+    if v == 1:
+        return sum(times) + sum(hops), period_1f1b(times, hops)
+    bott = max(max(times), v * max(hops, default=0.0) / 2)
+    return fill_s(sum(times) + v * sum(hops), bott, v), bott
 
 
 def fill_s(seconds: float, bottleneck_s: float, v: int) -> float:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from shardplan.solver._shapes import Shape, _Types, fill_s, stage_cap
-from shardplan.solver.pipeline import PipelineProblem, Schedule, StagePlacement, period_1f1b
+from shardplan.solver._shapes import Shape, _Types, shape_timing, stage_cap
+from shardplan.solver.pipeline import PipelineProblem, Schedule, StagePlacement
 
 __all__ = ["Family"]
 
@@ -193,17 +193,13 @@ class Family:
             times += [t] * count
             sigma, update = max(sigma, sg), max(update, up)
         hops = [hop] * ((k * v - 1 if v > 1 else k - 1) if k > 1 else 0)
-        if v == 1:
-            seconds, bott = sum(times) + sum(hops), period_1f1b(times, hops)
-        else:
-            seconds = sum(times) + v * sum(hops)
-            bott = max(max(times), v * max(hops, default=0.0) / 2)
+        fill, bott = shape_timing(times, hops, v)
         step = k if v > 1 else 1
         cap -= cap % step
         if cap < step:
             return
         usage = tuple(k * d if gg == g else 0 for gg in range(len(self.problem.groups)))
-        shape = Shape((), usage, fill_s(seconds, bott, v), bott, cap, step, sigma, update)
+        shape = Shape((), usage, fill, bott, cap, step, sigma, update)
         self.shapes.append(shape)
         self.recipes[id(shape)] = (g, d, tuple((L, ti, c) for L, ti, c, _ in segments))
 
