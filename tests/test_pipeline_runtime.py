@@ -14,6 +14,7 @@ import models
 import shardplan as sp
 from shardplan.errors import PipelineError
 from shardplan.plan.plan import Layout, MeshSpec, ReplicaSpec, Stage
+from shardplan.runtime.accumulate import microbatched
 
 RTOL = ATOL = 1e-4
 
@@ -35,13 +36,14 @@ def gpt():
     return _planned("gpt-tiny")
 
 
-def _three_steps(config, state, step, plan):
+def _three_steps(config, state, step, plan, reference=None, batch_size=16):
+    """Three steps of ``plan`` against the unsharded ``reference`` (default: the step)."""
     run = sp.apply_plan(step, plan)
-    ref = state
+    ref, reference = state, reference or jax.jit(step)
     for i in range(3):
-        batch = models.example_batch(config, 16, seed=i)
+        batch = models.example_batch(config, batch_size, seed=i)
         state, metrics = run(state, batch)
-        ref, ref_metrics = jax.jit(step)(ref, batch)
+        ref, ref_metrics = reference(ref, batch)
         for x, y in zip(jax.tree.leaves((state, metrics)), jax.tree.leaves((ref, ref_metrics)),
                         strict=True):
             np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64),
@@ -79,13 +81,15 @@ def test_two_device_types_with_uneven_shares(gpt) -> None:
     _three_steps(config, state, step, mixed)
 
 
-def _pipeline(plan, groups, microbatch_size: int, counts, schedule: str = "1f1b"):
+def _pipeline(plan, groups, microbatch_size: int, counts, schedule: str = "1f1b",
+              param_spec=None):
     """``plan`` rewritten as replicas of stages: ``groups`` per replica, a list of
-    (device type, device ids, layer names) per stage; replicated layouts, the microbatch split
-    over a stage's devices."""
+    (device type, device ids, layer names) per stage; replicated layouts (or
+    ``param_spec(key, rank)``'s), the microbatch split over a stage's devices."""
     first = plan.stages[0]
     specs = plan.layouts[first.layout]
-    replicated = {k: tuple(() for _ in v) for k, v in specs.param_specs.items()}
+    replicated = {k: (param_spec or (lambda _, n: tuple(() for _ in range(n))))(k, len(v))
+                  for k, v in specs.param_specs.items()}
     stages, replicas, layouts, memory = [], [], {}, {}
     for r, (group, count) in enumerate(zip(groups, counts, strict=True)):
         indices = []
@@ -123,8 +127,8 @@ def test_four_stages_with_eight_microbatches(gpt, schedule: str, bound: list[int
                               ("v100-32g", (4,), ("blocks.1",)), ("v100-32g", (5,), ("post",))]],
                       2, [8], schedule)
     run = _three_steps(config, state, step, piped)
-    tasks = run._ready[2][0]
-    assert [(t.order, t.stage) for t in tasks] == [(o, o if o < 4 else 7 - o) for o in range(8)]
+    tasks = run._ready.tasks[0]
+    assert [(t.key, t.stage) for t in tasks] == [(o, o if o < 4 else 7 - o) for o in range(8)]
     peaks = [run.peak_microbatches[i] for i in range(4)]
     assert peaks[:3] == bound[:3] and peaks[3] <= bound[3]
 
@@ -138,13 +142,23 @@ def test_two_replicas_of_two_stages_with_uneven_shares(gpt) -> None:
     _three_steps(config, state, step, piped)
 
 
-def test_interleaved_plans_are_refused_by_name(gpt) -> None:
-    _, _, step, plan = gpt
-    piped = _pipeline(plan, [[("a100-80g", (0,), ("pre", "blocks.0")),
-                              ("a100-80g", (1,), ("blocks.1", "post"))]], 4, [4])
+def test_interleaved_two_chunks_per_stage(gpt) -> None:
+    # Stage 0 runs "pre" and "blocks.1" (virtual stages 0 and 2), stage 1 "blocks.0" and "post".
+    config, state, step, plan = gpt
+    piped = _pipeline(plan, [[("a100-80g", (0, 1), ("pre", "blocks.1")),
+                              ("v100-32g", (4, 5), ("blocks.0", "post"))]], 2, [8])
     piped = dataclasses.replace(piped, schedule="interleaved", chunks=2)
-    with pytest.raises(PipelineError, match="Interleaved"):
-        sp.apply_plan(step, piped)
+    run = _three_steps(config, state, step, piped)
+    assert [(t.key, t.stage) for t in run._ready.tasks[0]] == [
+        (0, 0), (1, 1), (2, 0), (3, 1), (4, 1), (5, 0), (6, 1), (7, 0)]
+
+
+def test_stages_out_of_layer_order_are_refused_by_name(gpt) -> None:
+    config, state, step, plan = gpt
+    piped = _pipeline(plan, [[("a100-80g", (0,), ("blocks.0", "post")),
+                              ("a100-80g", (1,), ("pre", "blocks.1"))]], 4, [4])
+    with pytest.raises(PipelineError, match="layer order"):
+        sp.apply_plan(step, piped)(state, models.example_batch(config, 16, seed=0))
 
 
 def test_a_scanned_stack_split_across_stages_is_refused_by_name() -> None:
@@ -156,3 +170,130 @@ def test_a_scanned_stack_split_across_stages_is_refused_by_name() -> None:
                               ("a100-80g", (1,), tuple(names[cut:]))]], 4, [4])
     with pytest.raises(PipelineError, match="layers of several stages"):
         sp.apply_plan(step, piped)(state, batch)
+
+
+def test_clip_by_global_norm_across_stages() -> None:
+    # The clip is active (every step's norm is above it), so the update needs the global norm:
+    # each stage sums its own gradients' squares, the partial sums meet, the factor goes back.
+    # Only scalars cross stages in the update; the new parameters stay on their stages.
+    config = models.load_model_config("gpt-tiny")
+    graphdef, state = models.init_train_state(config, seed=0,
+                                              optimizer=models.make_optimizer(clip_norm=0.05))
+    step = models.make_train_step(graphdef)
+    _, _, _, plan = _planned("gpt-tiny")
+    piped = _pipeline(plan, [[("a100-80g", (0, 1), ("pre", "blocks.0")),
+                              ("v100-32g", (4, 5), ("blocks.1", "post"))]], 4, [4])
+    run = _three_steps(config, state, step, piped)
+    norms = [float(jax.jit(step)(state, models.example_batch(config, 16, seed=0))[1][
+        "grad_norm"])]
+    assert min(norms) > 0.05
+    update = run._ready.update
+    assert {p.stage for p in update} == {0, 1} and len(update) >= 3
+    made = {v: p.stage for p in update for v in p.outputs}
+    crossing = [v for p in update for kind, v in p.inputs
+                if kind == "value" and made[v] != p.stage]
+    assert crossing and all(v.aval.shape == () for v in crossing)
+    homes = run._ready.home
+    assert homes.count(0) > 10 and homes.count(1) > 10
+
+
+def test_moe_with_experts_sharded_inside_each_stage() -> None:
+    # The experts' weights (and their Adam moments) are split over each stage's two devices;
+    # the tasks run with those shardings. The load-balancing loss is a product of means over
+    # the tokens a program sees, so a microbatched MoE step is gradient accumulation (as every
+    # MoE trainer runs it): the reference is the unsharded step accumulated over the same four
+    # microbatches.
+    config, state, step, plan = _planned("moe-tiny")
+
+    def experts(key: str, rank: int):
+        if "/mlp/w_" in key and rank == 3:
+            return (("inner",), (), ())
+        return tuple(() for _ in range(rank))
+
+    piped = _pipeline(plan, [[("a100-80g", (0, 1), ("pre", "blocks.0")),
+                              ("v100-32g", (4, 5), ("blocks.1", "post"))]], 4, [4],
+                      param_spec=experts)
+    run = _three_steps(config, state, step, piped, microbatched(step, microbatches=4))
+    sharded = [t for t in run._ready.tasks[0]
+               if any(x.spec == jax.sharding.PartitionSpec("inner", None, None)
+                      for x in run._ready.shardings[t.stage][0])]
+    assert {t.stage for t in sharded} == {0, 1}
+    key = "0/blocks/1/mlp/w_up/value"
+    paths = [jax.tree_util.keystr(p, simple=True, separator="/")
+             for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    new_state = run._returned[paths.index(key)]
+    assert new_state.sharding.spec == jax.sharding.PartitionSpec("inner", None, None)
+    assert {d.id for d in new_state.sharding.device_set} == {4, 5}
+
+
+def test_a_planned_heterogeneous_pipeline() -> None:
+    # The planner's own plan for a 4-block GPT on 4 A100 + 4 V100 whose replica does not fit
+    # one device: a V100 and an A100 replica of four stages each, with 12 and 20 microbatches,
+    # stages of one or two layers, each with the planner's intra-op layout.
+    config = models.load_model_config("gpt-tiny", overrides={"n_layers": 4})
+    graphdef, state = models.init_train_state(config, seed=0)
+    step = models.make_train_step(graphdef)
+    shapes = (jax.eval_shape(lambda: state),
+              jax.eval_shape(lambda: models.example_batch(config, 64, seed=0)))
+    cluster = sp.Cluster.local(types={"a100-80g": 4, "v100-32g": 4})
+    one = sp.make_plan(step, *shapes, cluster=cluster, config=sp.PlanConfig(max_stages=1))
+    budget = 0.35 * max(one.predicted.memory_bytes.values())
+    plan = sp.make_plan(step, *shapes, cluster=cluster,
+                        config=sp.PlanConfig(memory_budget_bytes=budget, pipeline=True))
+    types = [{plan.stages[i].device_type for i in r.stages} for r in plan.replicas]
+    assert len(plan.replicas) == 2 and {t for ts in types for t in ts} == {"a100-80g",
+                                                                          "v100-32g"}
+    assert plan.replicas[0].microbatches != plan.replicas[1].microbatches
+    assert len({len([n for n in s.layers if n != "shared"]) for s in plan.stages}) > 1
+    _three_steps(config, state, step, plan, batch_size=64)
+
+
+def test_a_linen_train_state_through_two_stages() -> None:
+    # A Linen MLP with flax's TrainState (apply_gradients, clip_by_global_norm + AdamW inside)
+    # and an accuracy metric, cut after its second layer.
+    import flax.linen as nn
+    import jax.numpy as jnp
+    import optax
+    from flax.training import train_state
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i in range(3):
+                x = nn.relu(nn.Dense(32, name=f"hidden_{i}")(x))
+            return nn.Dense(4, name="head")(x)
+
+    model = MLP()
+    x = jax.random.normal(jax.random.key(0), (16, 8))
+    state = train_state.TrainState.create(
+        apply_fn=model.apply, params=model.init(jax.random.key(2), x[:1])["params"],
+        tx=optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2)))
+
+    def step(state, batch):
+        def loss(params):
+            logits = state.apply_fn({"params": params}, batch["x"])
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits, batch["y"]).mean(), logits
+        (value, logits), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
+        accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["y"])
+        return state.apply_gradients(grads=grads), {"loss": value, "accuracy": accuracy}
+
+    def batch(i):
+        return {"x": jax.random.normal(jax.random.key(10 + i), (16, 8)),
+                "y": jax.random.randint(jax.random.key(20 + i), (16,), 0, 4)}
+
+    plan = sp.make_plan(step, jax.eval_shape(lambda: state), jax.eval_shape(lambda: batch(0)),
+                        cluster=sp.Cluster.local(types={"a100-80g": 4, "v100-32g": 4}),
+                        config=sp.PlanConfig(max_stages=1))
+    piped = _pipeline(plan, [[("a100-80g", (0, 1), ("pre", "params.hidden_1")),
+                              ("v100-32g", (4, 5), ("params.hidden_2", "post"))]], 4, [4])
+    run = sp.apply_plan(step, piped)
+    ref = state
+    for i in range(3):
+        state, metrics = run(state, batch(i))
+        ref, ref_metrics = jax.jit(step)(ref, batch(i))
+        for a, b in zip(jax.tree.leaves((state, metrics)), jax.tree.leaves((ref, ref_metrics)),
+                        strict=True):
+            np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64),
+                                       rtol=RTOL, atol=ATOL)
+    assert {p.stage for p in run._ready.update} == {0, 1}

@@ -1,37 +1,38 @@
-"""Running multi-stage plans: the gradient part of the step cut into per-stage forward and
-backward programs on the stages' sub-meshes, driven microbatch by microbatch from Python.
+"""Running multi-stage plans: the step cut into per-stage forward, backward and update programs
+on the stages' sub-meshes, driven microbatch by microbatch from Python, in one process or in
+several (``jax.distributed``).
 
 On top of :mod:`shardplan.runtime.accumulate` (the step cut into a per-microbatch gradient part
-and an update part), :class:`PipelinedStep` cuts the gradient part once more, by stage:
+and an update part) and :mod:`shardplan.runtime.partition` (both parts cut by stage),
+:class:`PipelinedStep` runs a plan:
 
-* **Labels.** The step is traced by :func:`shardplan.trace` at the microbatch's shapes; its op
-  paths map every top-level equation to the layers it belongs to, the plan's stages name their
-  layers, and JAX's autodiff names each equation forward or backward. An equation of a layer
-  held by the replica's stage ``p`` is task ``F_p`` (forward) or ``B_p`` (backward); tasks are
-  ordered ``F_0 < ... < F_{k-1} < B_{k-1} < ... < B_0``. An equation of no single stage (the
-  shared layer: loss scaling, constants) joins the latest task among its producers, or, when it
-  reads only the state and the batch, the earliest task that reads it.
-* **Tasks.** Each task is a sub-jaxpr: its inputs are the state and batch leaves it reads and
-  the values earlier tasks produce (activations from the previous stage, residuals of its own
-  forward, cotangents from the next stage); its outputs are what later tasks read and its share
-  of the cut values (gradients, metrics). Each task is compiled once, for its stage's sub-mesh;
-  the state leaves it reads arrive with its layout's shardings, values from another stage by
-  ``jax.device_put`` (replicated on the receiving sub-mesh).
-* **Schedule.** The tasks of every microbatch are issued in an order that respects the data
-  flow and follows each stage's schedule (:func:`~shardplan.solver.simulate.device_order`:
-  GPipe, or 1F1B's warm-up forwards then one backward one forward); JAX's asynchronous
-  dispatch lets the stages run concurrently.
-* **Step end.** Each replica sums its microbatches' cut values on the devices that produced
-  them; the sums meet on the first stage of replica 0, the mean-type ones are divided by the
-  microbatch count, and the update part runs there once. Every stage reads the new state at the
-  next step.
+* **Schedule.** The gradient tasks of every microbatch are issued in an order that respects the
+  data flow and follows each stage's schedule (:func:`~shardplan.solver.simulate.device_order`:
+  GPipe; 1F1B's warm-up forwards then one backward one forward; interleaved 1F1B over a stage's
+  chunks); JAX's asynchronous dispatch lets the stages run concurrently. Values move between
+  stages with ``jax.device_put`` when the reading stage first needs them and are dropped after
+  their last reader, so under 1F1B stage ``p`` of ``k`` holds at most ``k - p`` microbatches of
+  activations (:attr:`PipelinedStep.peak_microbatches`).
+* **Accumulation.** Each replica sums its microbatches' cut values (gradients, metrics) on the
+  devices that produced them; the sums meet where replica 0 produced them, and the mean-type
+  ones are divided by the microbatch count (uneven replica shares weigh by microbatches).
+* **Update.** The update runs per stage of replica 0, on the parameters that stage holds; values
+  crossing stages (a global gradient norm's partial sums, the clip factor, a step counter) are
+  sent between them. The new state leaves stay on their home stages (a returned state is a
+  pytree whose leaves live on different sub-meshes); at the next step every stage of every
+  replica fetches the leaves it reads from there (for the other replicas: the broadcast of data
+  parallelism).
+* **Processes.** Under ``jax.distributed`` every process runs this same driver: it runs the
+  programs of the stages on its devices, and joins each transfer it sends or receives (through
+  one device on each side: cross-process copies need equal device counts). A value of another
+  process's stage is a placeholder (an array with no shards here). Each stage must sit inside
+  one process.
 
 A one-stage replica is the degenerate case (tasks ``F_0`` and ``B_0`` on one sub-mesh):
 data parallelism across device types with uneven microbatch counts.
 
-Not yet: interleaved schedules (a stage holding several chunks), layers of a scanned stack on
-different stages (the scan would have to be split by rows), the update split by stage, and
-multi-process execution; each is refused with a clear error.
+Not yet: layers of a scanned stack on different stages (the scan would have to be split by
+rows); refused with a clear error.
 """
 
 from __future__ import annotations
@@ -41,18 +42,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-from jax.extend import core as jcore
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from shardplan.errors import PipelineError, format_error
+from shardplan.errors import PipelineError, PlanMismatchError, format_error
 from shardplan.plan import Plan
-from shardplan.runtime.accumulate import (
-    StepSplit,
-    autodiff_phase,
-    reduction_kinds,
-    split_batch,
-    split_step,
+from shardplan.runtime.accumulate import StepSplit, reduction_kinds, split_batch, split_step
+from shardplan.runtime.partition import (
+    Program,
+    VirtualStages,
+    gradient_programs,
+    update_programs,
+    virtual_stages,
 )
 from shardplan.runtime.spmd import leaf_shardings, stage_mesh
 from shardplan.solver.pipeline import Schedule
@@ -61,33 +63,11 @@ from shardplan.solver.simulate import device_order
 __all__ = ["PipelinedStep"]
 
 
-@dataclass(frozen=True)
-class _Task:
-    """One (stage, forward / backward) program of a replica.
-
-    Attributes:
-      order: position in ``F_0 .. F_{k-1}, B_{k-1} .. B_0``.
-      stage: the replica's stage position.
-      fn: the compiled program.
-      inputs: per input, ``("state", leaf)``, ``("batch", leaf)`` or ``("value", var)``.
-      outputs: the variables it produces for later tasks or the cut.
-    """
-
-    order: int
-    stage: int
-    fn: Any
-    inputs: tuple[tuple[str, Any], ...]
-    outputs: tuple[Any, ...]
-
-
-def _is_var(v: Any) -> bool:
-    return not isinstance(v, jcore.Literal)
-
-
-def _layer_of_equations(step: Callable[..., Any], state: Any,
-                        batch: Any) -> dict[int, frozenset[str]]:
+def _labels(step: Callable[..., Any], state: Any,
+            batch: Any) -> tuple[dict[int, frozenset[str]], list[str]]:
     """Per top-level equation index of the step's jaxpr at these shapes, the names of the
-    layers its ops belong to (:func:`shardplan.trace`; equations with no op: absent)."""
+    layers its ops belong to (:func:`shardplan.trace`; equations with no op: absent); and the
+    layers' names in model order."""
     from shardplan.trace import trace
 
     graph = trace(step, jax.eval_shape(lambda: state), jax.eval_shape(lambda: batch))
@@ -96,7 +76,70 @@ def _layer_of_equations(step: Callable[..., Any], state: Any,
     for op in graph.ops:
         if op.path is not None:
             out.setdefault(op.path[0], set()).update(names[i] for i in op.layers)
-    return {i: frozenset(x) for i, x in out.items()}
+    return {i: frozenset(x) for i, x in out.items()}, names
+
+
+def _placeholder(aval: Any, sharding: NamedSharding) -> jax.Array:
+    """An array of another process's devices: shape, dtype and sharding, no shards here."""
+    def never(index: Any) -> np.ndarray:  # no shard of this array is on this process
+        raise AssertionError(index)
+
+    return jax.make_array_from_callback(tuple(aval.shape), sharding, never, dtype=aval.dtype)
+
+
+class _Mover:
+    """Moves values between the stages' sub-meshes, in one process or across processes."""
+
+    def __init__(self, meshes: dict[int, jax.sharding.Mesh]) -> None:
+        self.meshes = meshes
+        self.multi = jax.process_count() > 1
+        me = jax.process_index()
+        self.here: dict[int, bool] = {}
+        for s, mesh in meshes.items():
+            processes = sorted({d.process_index for d in mesh.devices.flat})
+            if len(processes) > 1:
+                raise PlanMismatchError(format_error(
+                    "A pipeline stage spans several processes.", where=f"plan.stages[{s}]",
+                    value=processes, remedy="give each process whole stages (one device type "
+                                            "per process)"))
+            self.here[s] = processes == [me]
+        self._hops = {s: NamedSharding(jax.sharding.Mesh(np.array(m.devices.flat[:1]),
+                                                         ("hop",)), P())
+                      for s, m in meshes.items()}
+
+    def replicated(self, stage: int) -> NamedSharding:
+        return NamedSharding(self.meshes[stage], P())
+
+    def move(self, x: Any, aval: Any, src: int, dst: int,
+             sharding: NamedSharding | None = None) -> Any:
+        """``x`` (of stage ``src``; ``None`` when not here) on stage ``dst`` in ``sharding``
+        (default: replicated); ``None`` when ``dst`` is not here."""
+        sharding = sharding or self.replicated(dst)
+        if not self.multi or (self.here[src] and self.here[dst]):
+            return jax.device_put(x, sharding)
+        if not (self.here[src] or self.here[dst]):
+            return None
+        hop = (jax.device_put(x, self._hops[src]) if self.here[src]
+               else _placeholder(aval, self._hops[src]))
+        landed = jax.device_put(hop, self._hops[dst])
+        return jax.device_put(landed, sharding) if self.here[dst] else None
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """What a plan needs compiled once per state and batch shape."""
+
+    split: StepSplit
+    kinds: tuple[str, ...]
+    virtual: list[VirtualStages]
+    tasks: list[list[Program]]  # per replica, its gradient tasks
+    update: list[Program]
+    where: list[Any]  # per step output, where it is (``update_programs``)
+    home: list[int]  # per state leaf, its stage
+    cut_at: list[int]  # per cut value, where replica 0 produces it
+    shardings: dict[int, tuple[list[Any], list[Any]]]  # stage -> state, batch leaf shardings
+    needs: dict[int, list[int]]  # stage -> the state leaves it reads
+    state_avals: list[Any]
 
 
 class PipelinedStep:
@@ -104,137 +147,84 @@ class PipelinedStep:
     step (the module docstring)."""
 
     def __init__(self, train_step: Callable[..., Any], plan: Plan) -> None:
-        # (one-stage replicas run their chunks back to back: interleaving changes nothing)
-        if plan.schedule == "interleaved" and plan.chunks > 1 and any(
-                len(r.stages) > 1 for r in plan.replicas):
-            raise PipelineError(format_error(
-                "Interleaved pipelines cannot run yet.", where="plan.schedule",
-                value=(plan.schedule, plan.chunks),
-                remedy="make the plan with PlanConfig(schedules=('1f1b',))"))
         self._step = train_step
         self.plan = plan
         self._meshes = {s.index: stage_mesh(plan, s.index) for s in plan.stages}
+        self._mover = _Mover(self._meshes)
         self._counts = plan.replica_microbatches
-        self._ready: Any = None
+        self._ready: _Prepared | None = None
+        self._returned: list[Any] = []  # the state leaves the last call returned
+        self._located: list[int] = []  # and their stages
         self.peak_microbatches: dict[int, int] = {}
         """After a call: per stage (index into ``plan.stages``), the most microbatches whose
         values (activations, residuals) the stage held at once."""
 
     # -- preparation ----------------------------------------------------------------------
 
-    def _tasks(self, split: StepSplit, labels: dict[int, frozenset[str]], replica: int,
-               state: Any, batch: Any) -> list[_Task]:
+    def _prepare(self, state: Any, parts: Sequence[Any]) -> _Prepared:
         plan = self.plan
-        stages = [plan.stages[i] for i in plan.replicas[replica].stages]
-        k = len(stages)
-        owner: dict[str, int] = {}
-        for p, st in enumerate(stages):
-            for name in st.layers:
-                if name != "shared":
-                    owner[name] = p
-        jaxpr = split.gradient.jaxpr
-        eqns = list(jaxpr.eqns)
-        producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
-        order: list[int | None] = []
-        for i, e in enumerate(eqns):
-            names = labels.get(split.gradient_index[i], frozenset())
-            held = {owner[n] for n in names if n in owner}
-            ins = [producer[v] for v in e.invars if _is_var(v) and v in producer]
-            known = [o for j in ins if (o := order[j]) is not None]
-            earliest = max(known) if known else None
-            if len(held) > 1:
-                raise PipelineError(format_error(
-                    "An equation of the step belongs to layers of several stages.",
-                    where=f"equation {split.gradient_index[i]} ({e.primitive}), layers "
-                          f"{sorted(names)}",
-                    remedy="cut the stages at layer boundaries that no op crosses (a scanned "
-                           "stack must sit on one stage)"))
-            if held:
-                p = held.pop()
-                o = 2 * k - 1 - p if autodiff_phase(e) == "backward" else p
-                if earliest is not None and earliest > o:
-                    raise PipelineError(format_error(
-                        "A stage reads a value that a later stage computes.",
-                        where=f"equation {split.gradient_index[i]} ({e.primitive}) on stage "
-                              f"{p}", remedy="cut the stages in the model's layer order"))
-                order.append(o)
-            else:
-                order.append(earliest)
-        # Equations of no stage that read only the state and the batch: the earliest reader.
-        readers: dict[int, list[int]] = {}  # equation -> equations reading one of its results
-        var_readers: dict[Any, list[int]] = {}  # value -> equations reading it
-        for i, e in enumerate(eqns):
-            for v in e.invars:
-                if _is_var(v) and v in producer:
-                    readers.setdefault(producer[v], []).append(i)
-                    var_readers.setdefault(v, []).append(i)
-        for i in range(len(eqns) - 1, -1, -1):
-            if order[i] is None:
-                later = [o for j in readers.get(i, ()) if (o := order[j]) is not None]
-                order[i] = min(later) if later else 2 * k - 1
-        cut = set(jaxpr.outvars)
-        n_state = len(jax.tree.leaves(state))
-        state_vars = {v: ("state", j) for j, v in enumerate(jaxpr.invars[:n_state])}
-        batch_vars = {v: ("batch", j) for j, v in enumerate(jaxpr.invars[n_state:])}
-        tasks = []
-        for o in range(2 * k):
-            mine = [i for i in range(len(eqns)) if order[i] == o]
-            if not mine:
-                continue
-            defined = {v for i in mine for v in eqns[i].outvars}
-            inputs: list[Any] = []
-            for i in mine:
-                for v in eqns[i].invars:
-                    if _is_var(v) and v not in defined and v not in inputs \
-                            and v not in jaxpr.constvars:
-                        inputs.append(v)
-            outputs = [v for v in defined
-                       if v in cut or any((order[j] or 0) > o for j in var_readers.get(v, ()))]
-            outputs.sort(key=lambda v: (producer[v], str(v)))
-            sub = jcore.Jaxpr(jaxpr.constvars, inputs, outputs, [eqns[i] for i in mine],
-                              debug_info=jaxpr.debug_info._replace(
-                                  arg_names=tuple(f"in{j}" for j in range(len(inputs))),
-                                  result_paths=tuple(f"out{j}" for j in range(len(outputs)))))
-            fn = jax.jit(jcore.jaxpr_as_fun(jcore.ClosedJaxpr(sub, split.gradient.consts)))
-            kinds = tuple(state_vars.get(v) or batch_vars.get(v) or ("value", v)
-                          for v in inputs)
-            tasks.append(_Task(o, o if o < k else 2 * k - 1 - o, fn, kinds, tuple(outputs)))
-        return tasks
-
-    def _prepare(self, state: Any, parts: Sequence[Any]) -> None:
         split = split_step(self._step, state, parts[0])
         kinds = (reduction_kinds(self._step, state, parts[0], parts[1], split)
                  if len(parts) > 1 else tuple("mean" for _ in split.cut_avals))
-        labels = _layer_of_equations(self._step, state, parts[0])
-        tasks = [self._tasks(split, labels, r, state, parts[0])
-                 for r in range(len(self.plan.replicas))]
-        plan = self.plan
-        home = plan.stages[plan.replicas[0].stages[0]]
-        home_mesh = self._meshes[home.index]
+        labels, layer_order = _labels(self._step, state, parts[0])
+        n_state = len(jax.tree.leaves(state))
+        chunks = plan.chunks if plan.schedule == "interleaved" else 1
+        virtual = [virtual_stages([plan.stages[i].layers for i in r.stages], r.stages,
+                                  layer_order, chunks) for r in plan.replicas]
+        tasks = [gradient_programs(split, labels, v, n_state) for v in virtual]
         shardings = {}
         for st in plan.stages:
             layout = plan.layouts[st.layout]
             shardings[st.index] = (
-                leaf_shardings(state, layout.param_specs, self._meshes[st.index], "state"),
-                leaf_shardings(parts[0], layout.batch_specs, self._meshes[st.index], "batch"))
-        cut_sh = [NamedSharding(home_mesh, P()) for _ in split.cut_avals]
-        update = jax.jit(jcore.jaxpr_as_fun(split.update),
-                         in_shardings=(*jax.tree.leaves(shardings[home.index][0]), *cut_sh))
-        self._ready = (split, kinds, tasks, shardings, cut_sh, update, home.index)
+                jax.tree.leaves(leaf_shardings(state, layout.param_specs,
+                                               self._meshes[st.index], "state")),
+                jax.tree.leaves(leaf_shardings(parts[0], layout.batch_specs,
+                                               self._meshes[st.index], "batch")))
+        read_at: dict[int, int] = {}
+        cut_index = {v: i for i, v in enumerate(split.gradient.jaxpr.outvars)}
+        cut_at = [0] * len(cut_index)
+        for prog in sorted(tasks[0], key=lambda t: t.key):
+            for kind, j in prog.inputs:
+                if kind == "state":
+                    read_at.setdefault(j, prog.stage)
+            for v in prog.outputs:
+                if v in cut_index:
+                    cut_at[cut_index[v]] = prog.stage
+        update, where, home = update_programs(
+            split, read_at, cut_at, plan.replicas[0].stages[0],
+            lambda s, j: shardings[s][0][j])
+        needs: dict[int, set[int]] = {}
+        for prog in [*(t for ts in tasks for t in ts), *update]:
+            needs.setdefault(prog.stage, set()).update(
+                j for kind, j in prog.inputs if kind == "state")
+        for w in where:
+            if w[0] == "state":
+                needs.setdefault(home[w[1]], set()).add(w[1])
+        return _Prepared(split, kinds, virtual, tasks, update, where, home, cut_at, shardings,
+                         {s: sorted(js) for s, js in needs.items()},
+                         [v.aval for v in split.update.jaxpr.invars[:n_state]])
 
     # -- one step -------------------------------------------------------------------------
 
-    def _issue_order(self, replica: int, tasks: list[_Task]) -> list[tuple[_Task, int]]:
+    def _issue_order(self, replica: int, tasks: list[Program],
+                     virtual: VirtualStages) -> list[tuple[Program, int]]:
         """Every (task, microbatch) of a replica in an order that respects the data flow and
         each stage's schedule (a round-robin merge of the stages' device orders)."""
-        k = len(self.plan.replicas[replica].stages)
+        k, big_k = len(virtual.stages), virtual.count
         m = self._counts[replica]
-        schedule: Schedule = "gpipe" if self.plan.schedule == "gpipe" else "1f1b"
-        queues = [[(2 * k - 1 - p if kind == "backward" else p, j)
-                   for kind, j, _ in device_order(schedule, p, k, m)] for p in range(k)]
-        by_order = {t.order: t for t in tasks}
+        schedule: Schedule = ("interleaved" if big_k > k else
+                              "gpipe" if self.plan.schedule == "gpipe" else "1f1b")
+        if schedule == "interleaved" and m % k:
+            raise PipelineError(format_error(
+                "The interleaved schedule needs a multiple of the stage count of microbatches.",
+                where=f"plan.replicas[{replica}].microbatches", value=(m, k),
+                remedy=f"use {m + k - m % k} microbatches"))
+        queues = [[(2 * big_k - 1 - (c * k + p) if kind == "backward" else c * k + p, j)
+                   for kind, j, c in device_order(schedule, p, k, m, big_k // k)]
+                  for p in range(k)]
+        by_key = {t.key: t for t in tasks}
         done: set[tuple[int, int]] = set()
-        out: list[tuple[_Task, int]] = []
+        out: list[tuple[Program, int]] = []
         heads = [0] * k
         while any(heads[p] < len(queues[p]) for p in range(k)):
             moved = False
@@ -244,8 +234,8 @@ class PipelinedStep:
                     if o > 0 and (o - 1, j) not in done:  # microbatch j's previous task
                         break
                     done.add((o, j))
-                    if o in by_order:
-                        out.append((by_order[o], j))
+                    if o in by_key:
+                        out.append((by_key[o], j))
                     heads[p] += 1
                     moved = True
             if not moved:  # a schedule whose orders wait on each other: a bug, not the input
@@ -254,56 +244,133 @@ class PipelinedStep:
                     remedy="report this with the plan"))
         return out
 
+    def _place(self, ready: _Prepared, leaves: list[Any]) -> dict[tuple[int, int], Any]:
+        """Every stage's copy of the state leaves it reads: a leaf the last call returned
+        comes from its stage, a new one from where it is (in every process)."""
+        here = self._mover.here
+        placed: dict[tuple[int, int], Any] = {}
+        for s, js in ready.needs.items():
+            for j in js:
+                x, target = leaves[j], ready.shardings[s][0][j]
+                if j < len(self._returned) and x is self._returned[j]:
+                    src = self._located[j]
+                    if s != src:
+                        placed[s, j] = self._mover.move(x if here[src] else None,
+                                                        ready.state_avals[j], src, s, target)
+                        continue
+                if not here[s]:
+                    placed[s, j] = None
+                elif isinstance(x, jax.Array) and x.sharding == target:
+                    placed[s, j] = x
+                else:
+                    placed[s, j] = jax.device_put(x, target)
+        return placed
+
     def __call__(self, state: Any, batch: Any) -> Any:
         total = sum(self._counts)
         parts = split_batch(batch, total, size=self.plan.microbatch_size)
         if self._ready is None:
-            self._prepare(state, parts)
-        split, kinds, tasks, shardings, cut_sh, update, home = self._ready
+            self._ready = self._prepare(state, parts)
+        ready = self._ready
+        split, mover = ready.split, self._mover
+        placed = self._place(ready, jax.tree.leaves(state))
         cut_index = {v: i for i, v in enumerate(split.gradient.jaxpr.outvars)}
         sums: list[Any] = [None] * len(cut_index)
-        placed: dict[int, list[Any]] = {}  # the state on each stage
         first = 0
         for r, count in enumerate(self._counts):
-            local = self._run_replica(r, tasks[r], state, shardings, parts[first:first + count],
-                                      placed, cut_index)
+            local, at = self._run_replica(r, ready, placed, parts[first:first + count],
+                                          cut_index)
             for i, x in enumerate(local):
+                if r:
+                    x = mover.move(x, split.cut_avals[i], at[i], ready.cut_at[i])
                 if x is not None:
-                    x = jax.device_put(x, cut_sh[i])
                     sums[i] = x if sums[i] is None else sums[i] + x
             first += count
-        cut = [(s / total).astype(a.dtype) if k == "mean" else s
-               for s, k, a in zip(sums, kinds, split.cut_avals, strict=True)]
-        home_state = placed.get(home) or jax.tree.leaves(jax.device_put(state, shardings[home][0]))
-        return jax.tree.unflatten(split.out_tree, update(*home_state, *cut))
+        cut = [None if s is None else (s / total).astype(a.dtype) if k == "mean" else s
+               for s, k, a in zip(sums, ready.kinds, split.cut_avals, strict=True)]
+        return self._update(ready, placed, cut)
 
-    def _run_replica(self, r: int, tasks: list[_Task], state: Any, shardings: dict[int, Any],
-                     parts: Sequence[Any], placed: dict[int, list[Any]],
-                     cut_index: dict[Any, int]) -> list[Any]:
+    def _update(self, ready: _Prepared, placed: dict[tuple[int, int], Any],
+                cut: list[Any]) -> Any:
+        """The update programs, level by level; the step's outputs."""
+        mover, split = self._mover, ready.split
+        jaxpr = split.update.jaxpr
+        n_state = len(ready.state_avals)
+        store: dict[tuple[Any, int], Any] = {(("cut", i), s): x
+                                             for i, (s, x) in enumerate(zip(ready.cut_at, cut,
+                                                                            strict=True))}
+        made: dict[Any, int] = {("cut", i): s for i, s in enumerate(ready.cut_at)}
+        avals = {("cut", i): a for i, a in enumerate(split.cut_avals)}
+
+        def fetch(key: Any, aval: Any, dst: int) -> Any:
+            if (key, dst) not in store:
+                src = made[key]
+                store[key, dst] = mover.move(store[key, src], aval, src, dst)
+            return store[key, dst]
+
+        for prog in ready.update:
+            args = []
+            for kind, what in prog.inputs:
+                if kind == "state":
+                    args.append(placed[prog.stage, what])
+                elif kind == "cut":
+                    args.append(fetch(("cut", what), avals["cut", what], prog.stage))
+                else:
+                    args.append(fetch(what, what.aval, prog.stage))
+            outs = prog.fn(*args) if mover.here[prog.stage] else [None] * len(prog.outputs)
+            for v, x in zip(prog.outputs, outs, strict=True):
+                store[v, prog.stage], made[v] = x, prog.stage
+        leaves: list[Any] = []
+        located: list[int] = []
+        for n, w in enumerate(ready.where):
+            if w[0] == "literal":
+                leaves.append(np.asarray(w[1]))
+                located.append(-1)
+                continue
+            if w[0] == "value":
+                x, s = store[w[1], w[2]], w[2]
+            elif w[0] == "state":
+                x, s = placed[ready.home[w[1]], w[1]], ready.home[w[1]]
+            else:
+                x, s = cut[w[1]], ready.cut_at[w[1]]
+            if x is None:
+                aval = jaxpr.outvars[n].aval
+                x = _placeholder(aval, ready.shardings[s][0][n]
+                                 if n < n_state and w[0] != "cut" else mover.replicated(s))
+            leaves.append(x)
+            located.append(s)
+        self._returned, self._located = leaves[:n_state], located[:n_state]
+        return jax.tree.unflatten(split.out_tree, leaves)
+
+    def _run_replica(self, r: int, ready: _Prepared, placed: dict[tuple[int, int], Any],
+                     parts: Sequence[Any],
+                     cut_index: dict[Any, int]) -> tuple[list[Any], list[int]]:
         """Runs replica ``r``'s tasks on its microbatches; its cut values summed where they
-        were produced."""
-        stage_ids = list(self.plan.replicas[r].stages)
-        values = _Values(tasks, stage_ids, self._meshes)
+        were produced, and where that is."""
+        tasks, virtual = ready.tasks[r], ready.virtual[r]
+        mover = self._mover
+        values = _Values(tasks, virtual.count, mover)
         batches: dict[tuple[int, int], list[Any]] = {}
         local: list[Any] = [None] * len(cut_index)
-        for task, j in self._issue_order(r, tasks):
-            index = stage_ids[task.stage]
-            state_sh, batch_sh = shardings[index]
-            if index not in placed:
-                placed[index] = jax.tree.leaves(jax.device_put(state, state_sh))
-            if (index, j) not in batches:
-                batches[index, j] = jax.tree.leaves(jax.device_put(parts[j], batch_sh))
-            args = [placed[index][what] if kind == "state" else
-                    batches[index, j][what] if kind == "batch" else
-                    values.get(what, j, index, task.order) for kind, what in task.inputs]
-            for v, x in zip(task.outputs, task.fn(*args), strict=True):
-                values.put(v, j, index, x)
+        at = [0] * len(cut_index)
+        for task, j in self._issue_order(r, tasks, virtual):
+            s = task.stage
+            here = mover.here[s]
+            if here and (s, j) not in batches:
+                batches[s, j] = jax.device_put(jax.tree.leaves(parts[j]), ready.shardings[s][1])
+            args = [placed[s, what] if kind == "state" else
+                    (batches[s, j][what] if here else None) if kind == "batch" else
+                    values.get(what, j, s, task.key) for kind, what in task.inputs]
+            outs = task.fn(*args) if here else [None] * len(task.outputs)
+            for v, x in zip(task.outputs, outs, strict=True):
+                values.put(v, j, s, x)
                 if v in cut_index:
                     i = cut_index[v]
+                    at[i] = s
                     local[i] = x if local[i] is None else local[i] + x
-            self.peak_microbatches[index] = max(self.peak_microbatches.get(index, 0),
-                                                values.saved_microbatches(index))
-        return local
+            self.peak_microbatches[s] = max(self.peak_microbatches.get(s, 0),
+                                            values.saved_microbatches(s))
+        return local, at
 
 
 class _Values:
@@ -316,16 +383,14 @@ class _Values:
     read (the activations kept for the backward).
     """
 
-    def __init__(self, tasks: Sequence[_Task], stage_ids: Sequence[int],
-                 meshes: dict[int, Any]) -> None:
-        self.k = len(stage_ids)
-        self.meshes = meshes
-        self.readers: dict[tuple[Any, int], list[int]] = {}  # (value, stage) -> reader orders
+    def __init__(self, tasks: Sequence[Program], virtual_count: int, mover: _Mover) -> None:
+        self.k = virtual_count  # tasks of this key and later are backward
+        self.mover = mover
+        self.readers: dict[tuple[Any, int], list[int]] = {}  # (value, stage) -> reader keys
         for task in tasks:
             for kind, what in task.inputs:
                 if kind == "value":
-                    self.readers.setdefault((what, stage_ids[task.stage]), []).append(
-                        task.order)
+                    self.readers.setdefault((what, task.stage), []).append(task.key)
         self.stages_reading: dict[Any, set[int]] = {}
         for v, at in self.readers:
             self.stages_reading.setdefault(v, set()).add(at)
@@ -350,7 +415,8 @@ class _Values:
             self.held[at, j] -= 1
 
     def put(self, v: Any, j: int, at: int, x: Any) -> None:
-        """Task output ``v`` of microbatch ``j``, produced on stage ``at``."""
+        """Task output ``v`` of microbatch ``j``, produced on stage ``at`` (``None``: by
+        another process)."""
         if v in self.stages_reading:
             self._keep(v, j, at, x)
             self.source[v, j] = at
@@ -360,8 +426,7 @@ class _Values:
         """Value ``v`` of microbatch ``j`` for the task of ``order`` on stage ``at``."""
         if (v, j, at) not in self.copies:  # fetch it from where it was produced
             origin = self.source[v, j]
-            self._keep(v, j, at, jax.device_put(self.copies[v, j, origin],
-                                                NamedSharding(self.meshes[at], P())))
+            self._keep(v, j, at, self.mover.move(self.copies[v, j, origin], v.aval, origin, at))
             self.fetches[v, j] -= 1
             if not self.fetches[v, j] and not self.left[v, j, origin]:
                 self._drop(v, j, origin)
