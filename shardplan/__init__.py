@@ -25,6 +25,7 @@ from shardplan.plan import load_plan as load_plan
 from shardplan.planner.single import PlanConfig as PlanConfig
 from shardplan.planner.single import make_plan as make_plan
 from shardplan.runtime.auto import auto as auto
+from shardplan.runtime.distributed import initialize_distributed as initialize_distributed
 from shardplan.runtime.spmd import apply_plan as apply_plan
 from shardplan.trace import OpGraph as OpGraph
 from shardplan.trace import trace as trace
@@ -54,6 +55,7 @@ __all__ = [
     "__version__",
     "apply_plan",
     "auto",
+    "initialize_distributed",
     "load_plan",
     "make_plan",
     "trace",

@@ -3,6 +3,7 @@
 Subcommands:
   trace       trace a model's train step into an op graph and print its summary.
   calibrate   measure the local devices and write a calibrated device YAML.
+  launch      run a command as N local processes of one jax.distributed job.
 """
 
 from __future__ import annotations
@@ -113,6 +114,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="catalog device to start from (default: the local device type)")
     c.add_argument("--out", default=None,
                    help="output YAML (default calibrated/<device>.yaml)")
+    lp = sub.add_parser("launch", help="run a command as N local jax.distributed processes")
+    lp.add_argument("--nprocs", type=int, required=True, help="number of processes")
+    lp.add_argument("--cpu-devices", type=int, default=0,
+                    help="CPU devices per process (default: jax's)")
+    lp.add_argument("cmd", nargs=argparse.REMAINDER,
+                    help="-- then the command, which calls shardplan.initialize_distributed()")
     return parser
 
 
@@ -127,6 +134,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "calibrate":
             return calibrate_main(CalibrateConfig(quick=args.quick, device=args.device,
                                                   out=args.out))
+        if args.command == "launch":
+            from shardplan.runtime.distributed import launch
+
+            cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+            return launch(cmd, args.nprocs, cpu_devices=args.cpu_devices)
     except ShardplanError as e:
         print(f"shardplan {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

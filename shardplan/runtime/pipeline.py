@@ -81,10 +81,11 @@ def _labels(step: Callable[..., Any], state: Any,
 
 def _placeholder(aval: Any, sharding: NamedSharding) -> jax.Array:
     """An array of another process's devices: shape, dtype and sharding, no shards here."""
-    def never(index: Any) -> np.ndarray:  # no shard of this array is on this process
-        raise AssertionError(index)
+    def nothing(index: Any) -> np.ndarray:  # asked once, for no device, when replicated
+        return np.broadcast_to(np.zeros((), aval.dtype), aval.shape)[index]
 
-    return jax.make_array_from_callback(tuple(aval.shape), sharding, never, dtype=aval.dtype)
+    return jax.make_array_from_callback(tuple(aval.shape), sharding, nothing,
+                                        dtype=aval.dtype)
 
 
 class _Mover:
@@ -122,6 +123,11 @@ class _Mover:
         hop = (jax.device_put(x, self._hops[src]) if self.here[src]
                else _placeholder(aval, self._hops[src]))
         landed = jax.device_put(hop, self._hops[dst])
+        if self.here[dst]:
+            # The receiver waits for the data: receives posted ahead of their senders hold the
+            # CPU client's workers, and enough of them starve the computations that would
+            # send (both processes then wait on each other).
+            landed.block_until_ready()
         return jax.device_put(landed, sharding) if self.here[dst] else None
 
 
