@@ -87,7 +87,8 @@ def _pipeline(plan, groups, microbatch_size: int, counts, schedule: str = "1f1b"
     (device type, device ids, layer names) per stage; replicated layouts (or
     ``param_spec(key, rank)``'s), the microbatch split over a stage's devices."""
     first = plan.stages[0]
-    specs = plan.layouts[first.layout]
+    specs = plan.layouts[first.layout] if first.layout else Layout(
+        {k: spec for k, (_, spec) in plan.param_specs.items()}, plan.batch_specs)
     replicated = {k: (param_spec or (lambda _, n: tuple(() for _ in range(n))))(k, len(v))
                   for k, v in specs.param_specs.items()}
     stages, replicas, layouts, memory = [], [], {}, {}

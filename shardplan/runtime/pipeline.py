@@ -37,6 +37,7 @@ rows); refused with a clear error.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardplan.errors import PipelineError, PlanMismatchError, format_error
 from shardplan.plan import Plan
+from shardplan.plan.plan import Layout, ReplicaSpec
 from shardplan.runtime.accumulate import StepSplit, reduction_kinds, split_batch, split_step
 from shardplan.runtime.partition import (
     Program,
@@ -157,8 +159,12 @@ class PipelinedStep:
         self.plan = plan
         self._meshes = {s.index: stage_mesh(plan, s.index) for s in plan.stages}
         self._mover = _Mover(self._meshes)
+        # (a one-stage plan has no replica list: one replica of its stage)
+        self._replicas = plan.replicas or (
+            ReplicaSpec(tuple(s.index for s in plan.stages), plan.microbatches),)
         self._counts = plan.replica_microbatches
         self._ready: _Prepared | None = None
+        self._orders: dict[int, list[tuple[Program, int]]] = {}  # per replica
         self._returned: list[Any] = []  # the state leaves the last call returned
         self._located: list[int] = []  # and their stages
         self.peak_microbatches: dict[int, int] = {}
@@ -176,11 +182,12 @@ class PipelinedStep:
         n_state = len(jax.tree.leaves(state))
         chunks = plan.chunks if plan.schedule == "interleaved" else 1
         virtual = [virtual_stages([plan.stages[i].layers for i in r.stages], r.stages,
-                                  layer_order, chunks) for r in plan.replicas]
+                                  layer_order, chunks) for r in self._replicas]
         tasks = [gradient_programs(split, labels, v, n_state) for v in virtual]
         shardings = {}
         for st in plan.stages:
-            layout = plan.layouts[st.layout]
+            layout = plan.layouts[st.layout] if st.layout else Layout(
+                {k: spec for k, (_, spec) in plan.param_specs.items()}, plan.batch_specs)
             shardings[st.index] = (
                 jax.tree.leaves(leaf_shardings(state, layout.param_specs,
                                                self._meshes[st.index], "state")),
@@ -197,7 +204,7 @@ class PipelinedStep:
                 if v in cut_index:
                     cut_at[cut_index[v]] = prog.stage
         update, where, home = update_programs(
-            split, read_at, cut_at, plan.replicas[0].stages[0],
+            split, read_at, cut_at, self._replicas[0].stages[0],
             lambda s, j: shardings[s][0][j])
         needs: dict[int, set[int]] = {}
         for prog in [*(t for ts in tasks for t in ts), *update]:
@@ -274,7 +281,7 @@ class PipelinedStep:
 
     def __call__(self, state: Any, batch: Any) -> Any:
         total = sum(self._counts)
-        parts = split_batch(batch, total, size=self.plan.microbatch_size)
+        parts = split_batch(batch, total, size=self.plan.microbatch_size or None)
         if self._ready is None:
             self._ready = self._prepare(state, parts)
         ready = self._ready
@@ -292,9 +299,14 @@ class PipelinedStep:
                 if x is not None:
                     sums[i] = x if sums[i] is None else sums[i] + x
             first += count
-        cut = [None if s is None else (s / total).astype(a.dtype) if k == "mean" else s
-               for s, k, a in zip(sums, ready.kinds, split.cut_avals, strict=True)]
-        return self._update(ready, placed, cut)
+        if total > 1:  # the means, one program per stage holding sums
+            for stage in set(ready.cut_at):
+                idx = [i for i, (x, at) in enumerate(zip(sums, ready.cut_at, strict=True))
+                       if at == stage and x is not None and ready.kinds[i] == "mean"]
+                if idx:
+                    for i, x in zip(idx, _divided([sums[i] for i in idx], total), strict=True):
+                        sums[i] = x
+        return self._update(ready, placed, sums)
 
     def _update(self, ready: _Prepared, placed: dict[tuple[int, int], Any],
                 cut: list[Any]) -> Any:
@@ -357,12 +369,13 @@ class PipelinedStep:
         mover = self._mover
         values = _Values(tasks, virtual.count, mover)
         batches: dict[tuple[int, int], list[Any]] = {}
-        local: list[Any] = [None] * len(cut_index)
-        at = [0] * len(cut_index)
-        for task, j in self._issue_order(r, tasks, virtual):
+        sums: dict[int, list[Any]] = {}  # task key -> its cut outputs' running sums
+        if r not in self._orders:
+            self._orders[r] = self._issue_order(r, tasks, virtual)
+        for task, j in self._orders[r]:
             s = task.stage
             here = mover.here[s]
-            if here and (s, j) not in batches:
+            if here and (s, j) not in batches and any(k == "batch" for k, _ in task.inputs):
                 batches[s, j] = jax.device_put(jax.tree.leaves(parts[j]), ready.shardings[s][1])
             args = [placed[s, what] if kind == "state" else
                     (batches[s, j][what] if here else None) if kind == "batch" else
@@ -370,13 +383,32 @@ class PipelinedStep:
             outs = task.fn(*args) if here else [None] * len(task.outputs)
             for v, x in zip(task.outputs, outs, strict=True):
                 values.put(v, j, s, x)
-                if v in cut_index:
-                    i = cut_index[v]
-                    at[i] = s
-                    local[i] = x if local[i] is None else local[i] + x
+            if here:
+                cuts = [x for v, x in zip(task.outputs, outs, strict=True) if v in cut_index]
+                sums[task.key] = _add(sums[task.key], cuts) if task.key in sums else cuts
             self.peak_microbatches[s] = max(self.peak_microbatches.get(s, 0),
                                             values.saved_microbatches(s))
+        local: list[Any] = [None] * len(cut_index)
+        at = [0] * len(cut_index)
+        for task in tasks:
+            held = iter(sums.get(task.key, ()))
+            for v in task.outputs:
+                if v in cut_index:
+                    at[cut_index[v]] = task.stage
+                    local[cut_index[v]] = next(held, None)
         return local, at
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _divided(values: list[Any], count: int) -> list[Any]:
+    """Sums of ``count`` microbatches as their means (one dispatch)."""
+    return [(x / count).astype(x.dtype) for x in values]
+
+
+@jax.jit
+def _add(sums: list[Any], values: list[Any]) -> list[Any]:
+    """One task's running sums plus its outputs of one more microbatch (one dispatch)."""
+    return [a + b for a, b in zip(sums, values, strict=True)]
 
 
 class _Values:
