@@ -162,15 +162,38 @@ def test_stages_out_of_layer_order_are_refused_by_name(gpt) -> None:
         sp.apply_plan(step, piped)(state, models.example_batch(config, 16, seed=0))
 
 
-def test_a_scanned_stack_split_across_stages_is_refused_by_name() -> None:
-    config, state, step, plan = _planned("gpt-tiny-scan")
-    batch = models.example_batch(config, 16, seed=0)
-    names = [n for n in plan.stages[0].layers if n != "shared"]
-    cut = names.index("blocks.1")
-    piped = _pipeline(plan, [[("a100-80g", (0,), tuple(names[:cut])),
-                              ("a100-80g", (1,), tuple(names[cut:]))]], 4, [4])
-    with pytest.raises(PipelineError, match="layers of several stages"):
-        sp.apply_plan(step, piped)(state, batch)
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_a_scanned_stack_cut_across_stages(schedule: str) -> None:
+    # gpt-tiny-scan's blocks are one nnx.scan over stacked parameters: its forward and
+    # backward scans are cut into per-stage segments (carries chained, each backward segment
+    # reading its own forward segment's saved rows).
+    config = models.load_model_config("gpt-tiny-scan", overrides={"n_layers": 4})
+    graphdef, state = models.init_train_state(config, seed=0)
+    step = models.make_train_step(graphdef)
+    _, _, _, plan = _planned("gpt-tiny")
+    blocks = [f"blocks.{i}" for i in range(4)]
+    if schedule == "1f1b":
+        groups = [("a100-80g", (0, 1), ("pre", *blocks[:3])),
+                  ("v100-32g", (4, 5), (blocks[3], "post"))]
+    else:
+        groups = [("a100-80g", (0, 1), ("pre", blocks[0], blocks[2])),
+                  ("v100-32g", (4, 5), (blocks[1], blocks[3], "post"))]
+    traced = sp.trace(step, jax.eval_shape(lambda: state),
+                      jax.eval_shape(lambda: models.example_batch(config, 16, seed=0)))
+    assert {layer.stack for layer in traced.layers if layer.name in blocks} == {"blocks"}
+    piped = _pipeline(_planned_for(plan, step, state, config), [groups], 4, [4])
+    if schedule == "interleaved":
+        piped = dataclasses.replace(piped, schedule="interleaved", chunks=2)
+    run = _three_steps(config, state, step, piped)
+    assert any(len(t.inputs) and t.stage == 1 for t in run._ready.tasks[0])
+
+
+def _planned_for(plan, step, state, config):
+    """A one-stage plan of this step (its state's specs), for ``_pipeline`` to rewrite."""
+    return sp.make_plan(step, jax.eval_shape(lambda: state),
+                        jax.eval_shape(lambda: models.example_batch(config, 16, seed=0)),
+                        cluster=sp.Cluster.local(types={"a100-80g": 4, "v100-32g": 4}),
+                        config=sp.PlanConfig(max_stages=1))
 
 
 def test_clip_by_global_norm_across_stages() -> None:
@@ -227,18 +250,20 @@ def test_moe_with_experts_sharded_inside_each_stage() -> None:
     assert {d.id for d in new_state.sharding.device_set} == {4, 5}
 
 
-def test_a_planned_heterogeneous_pipeline() -> None:
+@pytest.mark.parametrize(("name", "budget"), [("gpt-tiny", 0.35), ("gpt-tiny-scan", 0.3)])
+def test_a_planned_heterogeneous_pipeline(name: str, budget: float) -> None:
     # The planner's own plan for a 4-block GPT on 4 A100 + 4 V100 whose replica does not fit
-    # one device: a V100 and an A100 replica of four stages each, with 12 and 20 microbatches,
-    # stages of one or two layers, each with the planner's intra-op layout.
-    config = models.load_model_config("gpt-tiny", overrides={"n_layers": 4})
+    # one device: a V100 and an A100 replica of four stages each, with uneven microbatch counts
+    # (12 : 20, 11 : 21), stages of one or two layers, each with the planner's intra-op layout;
+    # with its blocks one nnx.scan, the scan is cut into the stages' rows.
+    config = models.load_model_config(name, overrides={"n_layers": 4})
     graphdef, state = models.init_train_state(config, seed=0)
     step = models.make_train_step(graphdef)
     shapes = (jax.eval_shape(lambda: state),
               jax.eval_shape(lambda: models.example_batch(config, 64, seed=0)))
     cluster = sp.Cluster.local(types={"a100-80g": 4, "v100-32g": 4})
     one = sp.make_plan(step, *shapes, cluster=cluster, config=sp.PlanConfig(max_stages=1))
-    budget = 0.35 * max(one.predicted.memory_bytes.values())
+    budget *= max(one.predicted.memory_bytes.values())
     plan = sp.make_plan(step, *shapes, cluster=cluster,
                         config=sp.PlanConfig(memory_budget_bytes=budget, pipeline=True))
     types = [{plan.stages[i].device_type for i in r.stages} for r in plan.replicas]

@@ -13,6 +13,14 @@ task among its producers, or, when it reads only the state and the batch, the ea
 reads it. A task is a sub-jaxpr: its inputs are the state and batch leaves it reads and the
 values earlier tasks produce; its outputs are what later tasks or the update read.
 
+A ``scan`` over a scanned block stack (``nnx.scan``: one loop over stacked parameters) whose
+rows lie on several virtual stages is cut into one *segment* per run of rows: the segment scans
+its rows of the inputs, the carries chain from segment to segment, and the transposed scan of
+the backward pass is cut at the same rows, each backward segment reading its own forward
+segment's saved rows (so saved activations stay on their stage). The stacked outputs (the
+stacked gradients) are joined where the last segment runs. A task holding segments is
+evaluated equation by equation (``primitive.bind``) under ``jax.jit``.
+
 Update part (:func:`update_programs`)
 -------------------------------------
 Every update equation runs on one stage of replica 0: the stage holding most of the bytes it
@@ -125,13 +133,12 @@ def _compile(jaxpr: Any, consts: Sequence[Any], eqns: Sequence[Any], inputs: Seq
     return jax.jit(fn) if out_shardings is None else jax.jit(fn, out_shardings=out_shardings)
 
 
-def _programs(jaxpr: Any, consts: Sequence[Any], groups: Sequence[tuple[int, int]],
-              group_of: Sequence[int], sources: Mapping[Any, Input],
-              keep: Callable[[Any, int], bool],
+def _programs(jaxpr: Any, consts: Sequence[Any], eqns: Sequence[Any],
+              groups: Sequence[tuple[int, int]], group_of: Sequence[int],
+              sources: Mapping[Any, Input], keep: Callable[[Any, int], bool],
               out_sharding: Callable[[Any, int], Any] | None = None) -> list[Program]:
-    """One program per group ``(key, stage)`` of equations (``group_of``: each equation's
+    """One program per group ``(key, stage)`` of equations or items (``group_of``: each one's
     group); ``keep(var, group)``: whether a value the group defines is an output."""
-    eqns = list(jaxpr.eqns)
     out: list[Program] = []
     for g, (key, stage) in enumerate(groups):
         mine = [i for i in range(len(eqns)) if group_of[i] == g]
@@ -147,14 +154,160 @@ def _programs(jaxpr: Any, consts: Sequence[Any], groups: Sequence[tuple[int, int
         outputs = sorted((v for v in defined if keep(v, g)), key=lambda v: (
             next(i for i in mine if v in eqns[i].outvars), str(v)))
         shardings = None if out_sharding is None else [out_sharding(v, stage) for v in outputs]
-        fn = _compile(jaxpr, consts, [eqns[i] for i in mine], inputs, outputs, shardings)
+        plain = [eqns[i].eqn if isinstance(eqns[i], _Item) else eqns[i] for i in mine
+                 if not isinstance(eqns[i], _Item) or eqns[i].kind == "eqn"]
+        if len(plain) == len(mine):
+            fn = _compile(jaxpr, consts, plain, inputs, outputs, shardings)
+        else:
+            fn = _interpreted([eqns[i] for i in mine], jaxpr.constvars, consts, inputs,
+                              outputs)
         out.append(Program(key, stage, fn, tuple(sources.get(v, ("value", v)) for v in inputs),
                            tuple(outputs)))
     return out
 
 
+@dataclass(frozen=True, eq=False)
+class _Piece:
+    """A value that cutting a scanned stack by stage introduces: a segment's carry, or its rows
+    of a stacked output."""
+
+    aval: Any
+
+    def __repr__(self) -> str:
+        return f"piece{id(self)}"
+
+
+@dataclass(frozen=True, eq=False)
+class _Item:
+    """One step of a task: a jaxpr equation (``eqn``), the rows ``[a, b)`` of a scan cut by
+    stage (``segment``; ``sliced``: its inputs to cut to those rows), or rows joined back into
+    the stacked value (``join``)."""
+
+    kind: str
+    eqn: Any
+    invars: tuple[Any, ...]
+    outvars: tuple[Any, ...]
+    names: frozenset[str]
+    rows: tuple[int, int] = (0, 0)
+    sliced: tuple[bool, ...] = ()
+
+
+def _cut_scans(eqns: Sequence[Any], names: Sequence[frozenset[str]], virtual: VirtualStages,
+               stacks: Mapping[str, tuple[Sequence[str], frozenset[int]]],
+               state_leaf: Mapping[Any, int], outputs: Sequence[Any]) -> list[_Item]:
+    """The equations as items, each ``scan`` over a stack whose rows lie on several virtual
+    stages cut into one segment per run of rows (forward and backward scans alike, carries
+    chained). A backward segment reads its forward segment's rows directly, so saved
+    activations stay on their stage; joins nobody reads are dropped."""
+    items: list[_Item] = []
+    pieces: dict[Any, dict[tuple[int, int], Any]] = {}
+    stacked: dict[Any, tuple[str, ...]] = {}  # a cut scan's stacked outputs -> its rows
+    for e, label in zip(eqns, names, strict=True):
+        held = {virtual.owner[n] for n in label if n in virtual.owner}
+        rows = next((tuple(layers) for layers, _ in stacks.values() if label <= set(layers)),
+                    None)
+        if e.primitive.name == "scan":
+            # The trace gives a loop's ops no top-level equation: a scan is over a stack when
+            # it reads the stack's stacked leaves, or a cut scan's rows (its transpose).
+            xs = [x for x in e.invars[e.params["num_consts"] + e.params["num_carry"]:]
+                  if _is_var(x)]
+            found = [tuple(layers) for layers, leaves in stacks.values()
+                     if len(layers) == e.params["length"]
+                     and any(state_leaf.get(x) in leaves for x in xs)]
+            found += [stacked[x] for x in xs if x in stacked]
+            if found:
+                rows = found[0]
+                held = {virtual.owner[n] for n in rows if n in virtual.owner}
+        if len(held) > 1 and rows is not None and e.primitive.name != "scan":
+            # An op the trace gives a whole stack (one reading the stack's final carry): it
+            # follows the values it reads.
+            label = frozenset()
+        if (len(held) < 2 or e.primitive.name != "scan" or rows is None
+                or e.params["length"] != len(rows)):
+            items.append(_Item("eqn", e, tuple(e.invars), tuple(e.outvars), label))
+            continue
+        nc, ncar = e.params["num_consts"], e.params["num_carry"]
+        consts, carry, xs = e.invars[:nc], e.invars[nc:nc + ncar], e.invars[nc + ncar:]
+        runs: list[tuple[int, int]] = []
+        for r in range(len(rows)):
+            if r and virtual.owner[rows[r]] == virtual.owner[rows[r - 1]]:
+                runs[-1] = (runs[-1][0], r + 1)
+            else:
+                runs.append((r, r + 1))
+        parts: list[list[tuple[int, int, Any]]] = [[] for _ in e.outvars[ncar:]]
+        for a, b in (reversed(runs) if e.params["reverse"] else runs):
+            seg_xs = [pieces.get(x, {}).get((a, b)) if _is_var(x) else None for x in xs]
+            carry_out = [_Piece(v.aval) for v in e.outvars[:ncar]]
+            ys = [_Piece(v.aval.update(shape=(b - a, *v.aval.shape[1:])))
+                  for v in e.outvars[ncar:]]
+            items.append(_Item(
+                "segment", e, (*consts, *carry, *(p if p is not None else x
+                                                  for p, x in zip(seg_xs, xs, strict=True))),
+                (*carry_out, *ys), frozenset(rows[a:b]), (a, b),
+                (False,) * (nc + ncar) + tuple(p is None for p in seg_xs)))
+            carry = carry_out
+            for k, y in enumerate(ys):
+                parts[k].append((a, b, y))
+        for v, p in zip(e.outvars[:ncar], carry, strict=True):
+            items.append(_Item("join", None, (p,), (v,), frozenset()))
+        for v, ps in zip(e.outvars[ncar:], parts, strict=True):
+            ps.sort(key=lambda t: t[0])
+            pieces[v] = {(a, b): y for a, b, y in ps}
+            stacked[v] = rows
+            items.append(_Item("join", None, tuple(y for _, _, y in ps), (v,), frozenset()))
+    needed = {v for v in outputs if _is_var(v)}
+    kept: list[_Item] = []
+    for item in reversed(items):
+        if item.kind == "join" and not needed & set(item.outvars):
+            continue
+        kept.append(item)
+        needed.update(v for v in item.invars if _is_var(v))
+    return kept[::-1]
+
+
+def _interpreted(items: Sequence[_Item], constvars: Sequence[Any], consts: Sequence[Any],
+                 inputs: Sequence[Any], outputs: Sequence[Any]) -> Any:
+    """A jitted program evaluating ``items`` (for tasks holding segments of a cut scan)."""
+    def run(*args: Any) -> list[Any]:
+        env: dict[Any, Any] = dict(zip(constvars, consts, strict=True))
+        env.update(zip(inputs, args, strict=True))
+
+        def read(v: Any) -> Any:
+            return v.val if isinstance(v, jcore.Literal) else env[v]
+
+        for item in items:
+            if item.kind == "join":
+                values = [read(v) for v in item.invars]
+                out = [values[0] if len(values) == 1 else jax.lax.concatenate(values, 0)]
+            else:
+                e = item.eqn
+                values = [read(v) for v in item.invars]
+                params = dict(e.params)
+                if item.kind == "segment":
+                    a, b = item.rows
+                    values = [jax.lax.slice_in_dim(x, a, b, axis=0) if cut else x
+                              for x, cut in zip(values, item.sliced, strict=True)]
+                    params["length"] = b - a
+                    if isinstance(params.get("unroll"), int) and not isinstance(
+                            params["unroll"], bool):
+                        params["unroll"] = max(1, min(params["unroll"], b - a))
+                bind_params = e.primitive.get_bind_params(params)
+                subfuns: Sequence[Any] = ()
+                if isinstance(bind_params, tuple):  # (sub-functions, params) before jax 0.9
+                    subfuns, bind_params = bind_params
+                out = e.primitive.bind(*subfuns, *values, **bind_params)
+                if not e.primitive.multiple_results:
+                    out = [out]
+            env.update(zip(item.outvars, out, strict=True))
+        return [read(v) for v in outputs]
+
+    return jax.jit(run)
+
+
 def gradient_programs(split: StepSplit, labels: Mapping[int, frozenset[str]],
-                      virtual: VirtualStages, n_state: int) -> list[Program]:
+                      virtual: VirtualStages, n_state: int,
+                      stacks: Mapping[str, tuple[Sequence[str], frozenset[int]]] | None = None,
+                      ) -> list[Program]:
     """The gradient part of one replica cut into its tasks (the module docstring).
 
     Args:
@@ -162,6 +315,8 @@ def gradient_programs(split: StepSplit, labels: Mapping[int, frozenset[str]],
       labels: per top-level equation index of the step, the layers its ops belong to.
       virtual: the replica's virtual stages.
       n_state: the number of state leaves.
+      stacks: per block stack, its layers in row order and the state leaves they own (a scan
+        over a stack is cut by stage, :func:`_cut_scans`).
 
     Raises:
       PipelineError: an equation belongs to layers of several virtual stages, or reads a value
@@ -169,30 +324,33 @@ def gradient_programs(split: StepSplit, labels: Mapping[int, frozenset[str]],
     """
     jaxpr = split.gradient.jaxpr
     big_k = virtual.count
-    eqns = list(jaxpr.eqns)
+    eqns = _cut_scans(jaxpr.eqns, [labels.get(split.gradient_index[i], frozenset())
+                                   for i in range(len(jaxpr.eqns))], virtual, stacks or {},
+                      {v: j for j, v in enumerate(jaxpr.invars[:n_state])}, jaxpr.outvars)
     producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
     order: list[int | None] = []
     for i, e in enumerate(eqns):
-        names = labels.get(split.gradient_index[i], frozenset())
+        names = e.names
         held = {virtual.owner[n] for n in names if n in virtual.owner}
         known = [o for v in e.invars if _is_var(v) and v in producer
                  if (o := order[producer[v]]) is not None]
         earliest = max(known) if known else None
+        what = e.eqn.primitive if e.eqn is not None else e.kind
         if len(held) > 1:
             raise PipelineError(format_error(
                 "An equation of the step belongs to layers of several stages.",
-                where=f"equation {split.gradient_index[i]} ({e.primitive}), layers "
-                      f"{sorted(names)}",
+                where=f"equation {i} ({what}), layers {sorted(names)}",
                 remedy="cut the stages at layer boundaries that no op crosses (a scanned "
-                       "stack must sit on one stage)"))
+                       "stack's rows may sit on different stages; other loops may not)"))
         if held:
             s = held.pop()
-            o = 2 * big_k - 1 - s if autodiff_phase(e) == "backward" else s
+            o = 2 * big_k - 1 - s if e.eqn is not None and autodiff_phase(
+                e.eqn) == "backward" else s
             if earliest is not None and earliest > o:
                 raise PipelineError(format_error(
                     "A stage reads a value that a later stage computes.",
-                    where=f"equation {split.gradient_index[i]} ({e.primitive}) on virtual "
-                          f"stage {s}", remedy="cut the stages in the model's layer order"))
+                    where=f"equation {i} ({what}) on virtual stage {s}",
+                    remedy="cut the stages in the model's layer order"))
             order.append(o)
         else:
             order.append(earliest)
@@ -219,7 +377,7 @@ def gradient_programs(split: StepSplit, labels: Mapping[int, frozenset[str]],
               for o in range(2 * big_k)]
     group_of = [int(o) for o in order if o is not None]
     cut = set(jaxpr.outvars)
-    return _programs(jaxpr, split.gradient.consts, groups, group_of, sources,
+    return _programs(jaxpr, split.gradient.consts, eqns, groups, group_of, sources,
                      lambda v, g: v in cut or any(group_of[j] > g for j in readers.get(v, ())))
 
 
@@ -322,7 +480,7 @@ def update_programs(split: StepSplit, read_at: Mapping[int, int], cut_at: Sequen
     leaf_of = {v: j for j, v in enumerate(jaxpr.outvars[:n_state])
                if _is_var(v) and v.aval.shape == jaxpr.invars[j].aval.shape}
     programs = _programs(
-        jaxpr, split.update.consts, groups, group_of, sources,
+        jaxpr, split.update.consts, eqns, groups, group_of, sources,
         lambda v, g: v in final or bool(group_readers.get(v, set()) - {g}),
         lambda v, s: state_sharding(s, leaf_of[v]) if v in leaf_of and home[leaf_of[v]] == s
         else None)

@@ -31,8 +31,9 @@ and an update part) and :mod:`shardplan.runtime.partition` (both parts cut by st
 A one-stage replica is the degenerate case (tasks ``F_0`` and ``B_0`` on one sub-mesh):
 data parallelism across device types with uneven microbatch counts.
 
-Not yet: layers of a scanned stack on different stages (the scan would have to be split by
-rows); refused with a clear error.
+A scanned stack (``nnx.scan``) whose rows lie on several stages is cut into per-stage segments
+(:func:`~shardplan.runtime.partition.gradient_programs`). Its stacked parameters still live
+whole on one stage between steps (each stage reads its rows from a full copy).
 """
 
 from __future__ import annotations
@@ -65,11 +66,13 @@ from shardplan.solver.simulate import device_order
 __all__ = ["PipelinedStep"]
 
 
-def _labels(step: Callable[..., Any], state: Any,
-            batch: Any) -> tuple[dict[int, frozenset[str]], list[str]]:
+def _labels(step: Callable[..., Any], state: Any, batch: Any,
+            ) -> tuple[dict[int, frozenset[str]], list[str],
+                       dict[str, tuple[list[str], frozenset[int]]]]:
     """Per top-level equation index of the step's jaxpr at these shapes, the names of the
-    layers its ops belong to (:func:`shardplan.trace`; equations with no op: absent); and the
-    layers' names in model order."""
+    layers its ops belong to (:func:`shardplan.trace`; equations with no op, or a loop's:
+    absent); the layers' names in model order; and per block stack, its layers in order (the
+    rows of a scanned stack) and the state leaves they own."""
     from shardplan.trace import trace
 
     graph = trace(step, jax.eval_shape(lambda: state), jax.eval_shape(lambda: batch))
@@ -78,7 +81,16 @@ def _labels(step: Callable[..., Any], state: Any,
     for op in graph.ops:
         if op.path is not None:
             out.setdefault(op.path[0], set()).update(names[i] for i in op.layers)
-    return {i: frozenset(x) for i, x in out.items()}, names
+    paths = [jax.tree_util.keystr(p, simple=True, separator="/")
+             for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    stacks: dict[str, tuple[list[str], set[int]]] = {}
+    for layer in graph.layers:
+        if layer.stack is not None:
+            rows, leaves = stacks.setdefault(layer.stack, ([], set()))
+            rows.append(layer.name)
+            leaves.update(paths.index(p) for p in layer.params if p in paths)
+    return ({i: frozenset(x) for i, x in out.items()}, names,
+            {k: (rows, frozenset(leaves)) for k, (rows, leaves) in stacks.items()})
 
 
 def _placeholder(aval: Any, sharding: NamedSharding) -> jax.Array:
@@ -178,12 +190,12 @@ class PipelinedStep:
         split = split_step(self._step, state, parts[0])
         kinds = (reduction_kinds(self._step, state, parts[0], parts[1], split)
                  if len(parts) > 1 else tuple("mean" for _ in split.cut_avals))
-        labels, layer_order = _labels(self._step, state, parts[0])
+        labels, layer_order, stacks = _labels(self._step, state, parts[0])
         n_state = len(jax.tree.leaves(state))
         chunks = plan.chunks if plan.schedule == "interleaved" else 1
         virtual = [virtual_stages([plan.stages[i].layers for i in r.stages], r.stages,
                                   layer_order, chunks) for r in self._replicas]
-        tasks = [gradient_programs(split, labels, v, n_state) for v in virtual]
+        tasks = [gradient_programs(split, labels, v, n_state, stacks) for v in virtual]
         shardings = {}
         for st in plan.stages:
             layout = plan.layouts[st.layout] if st.layout else Layout(
@@ -370,6 +382,7 @@ class PipelinedStep:
         values = _Values(tasks, virtual.count, mover)
         batches: dict[tuple[int, int], list[Any]] = {}
         sums: dict[int, list[Any]] = {}  # task key -> its cut outputs' running sums
+        owned: set[int] = set()  # the task keys whose sums no one else holds
         if r not in self._orders:
             self._orders[r] = self._issue_order(r, tasks, virtual)
         for task, j in self._orders[r]:
@@ -385,7 +398,12 @@ class PipelinedStep:
                 values.put(v, j, s, x)
             if here:
                 cuts = [x for v, x in zip(task.outputs, outs, strict=True) if v in cut_index]
-                sums[task.key] = _add(sums[task.key], cuts) if task.key in sums else cuts
+                if task.key not in sums:
+                    sums[task.key] = cuts
+                else:  # from the third microbatch on, the sums are the adds' own buffers
+                    add = _add_in_place if task.key in owned else _add
+                    sums[task.key] = add(sums[task.key], cuts)
+                    owned.add(task.key)
             self.peak_microbatches[s] = max(self.peak_microbatches.get(s, 0),
                                             values.saved_microbatches(s))
         local: list[Any] = [None] * len(cut_index)
@@ -405,10 +423,13 @@ def _divided(values: list[Any], count: int) -> list[Any]:
     return [(x / count).astype(x.dtype) for x in values]
 
 
-@jax.jit
-def _add(sums: list[Any], values: list[Any]) -> list[Any]:
+def _sum(sums: list[Any], values: list[Any]) -> list[Any]:
     """One task's running sums plus its outputs of one more microbatch (one dispatch)."""
     return [a + b for a, b in zip(sums, values, strict=True)]
+
+
+_add = jax.jit(_sum)
+_add_in_place = jax.jit(_sum, donate_argnums=0)  # for sums that only the executor holds
 
 
 class _Values:
