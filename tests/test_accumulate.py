@@ -150,36 +150,14 @@ def test_the_cut_is_the_gradients_and_the_metrics() -> None:
 def test_a_linen_train_state_step() -> None:
     # A Linen MLP with flax's TrainState and its apply_gradients (optax inside), a mean loss
     # and an accuracy metric: microbatched equals the whole batch over three steps.
-    import flax.linen as nn
-    from flax.training import train_state
+    from linen_case import linen_case
 
-    class MLP(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            x = nn.relu(nn.Dense(16)(x))
-            return nn.Dense(4)(x)
-
-    model = MLP()
-    x = jax.random.normal(jax.random.key(0), (16, 8))
-    y = jax.random.randint(jax.random.key(1), (16,), 0, 4)
-    state = train_state.TrainState.create(
-        apply_fn=model.apply, params=model.init(jax.random.key(2), x[:1])["params"],
-        tx=optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2)))
-
-    def step(state, batch):
-        def loss(params):
-            logits = state.apply_fn({"params": params}, batch["x"])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean(), \
-                logits
-        (value, logits), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
-        accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["y"])
-        return state.apply_gradients(grads=grads), {"loss": value, "accuracy": accuracy}
-
+    state, step, batch_of = linen_case([16])
     run = microbatched(step, microbatches=4)
     ref = state
-    for _ in range(3):
-        state, metrics = run(state, {"x": x, "y": y})
-        ref, ref_metrics = jax.jit(step)(ref, {"x": x, "y": y})
+    for i in range(3):
+        state, metrics = run(state, batch_of(i))
+        ref, ref_metrics = jax.jit(step)(ref, batch_of(i))
         _close((state.params, state.opt_state, metrics), (ref.params, ref.opt_state,
                                                           ref_metrics))
         assert int(state.step) == int(ref.step)

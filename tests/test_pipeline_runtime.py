@@ -221,12 +221,13 @@ def test_clip_by_global_norm_across_stages() -> None:
     assert homes.count(0) > 10 and homes.count(1) > 10
 
 
-def test_moe_with_experts_sharded_inside_each_stage() -> None:
+@pytest.mark.parametrize("microbatches", [1, 4])
+def test_moe_with_experts_sharded_inside_each_stage(microbatches: int) -> None:
     # The experts' weights (and their Adam moments) are split over each stage's two devices;
     # the tasks run with those shardings. The load-balancing loss is a product of means over
     # the tokens a program sees, so a microbatched MoE step is gradient accumulation (as every
-    # MoE trainer runs it): the reference is the unsharded step accumulated over the same four
-    # microbatches.
+    # MoE trainer runs it): with four microbatches the reference is the unsharded step
+    # accumulated over the same microbatches; with one, the unsharded step itself.
     config, state, step, plan = _planned("moe-tiny")
 
     def experts(key: str, rank: int):
@@ -235,9 +236,11 @@ def test_moe_with_experts_sharded_inside_each_stage() -> None:
         return tuple(() for _ in range(rank))
 
     piped = _pipeline(plan, [[("a100-80g", (0, 1), ("pre", "blocks.0")),
-                              ("v100-32g", (4, 5), ("blocks.1", "post"))]], 4, [4],
+                              ("v100-32g", (4, 5), ("blocks.1", "post"))]],
+                      16 // microbatches, [microbatches],
                       param_spec=experts)
-    run = _three_steps(config, state, step, piped, microbatched(step, microbatches=4))
+    run = _three_steps(config, state, step, piped,
+                       microbatched(step, microbatches=4) if microbatches > 1 else None)
     sharded = [t for t in run._ready.tasks[0]
                if any(x.spec == jax.sharding.PartitionSpec("inner", None, None)
                       for x in run._ready.shardings[t.stage][0])]
@@ -277,37 +280,9 @@ def test_a_planned_heterogeneous_pipeline(name: str, budget: float) -> None:
 def test_a_linen_train_state_through_two_stages() -> None:
     # A Linen MLP with flax's TrainState (apply_gradients, clip_by_global_norm + AdamW inside)
     # and an accuracy metric, cut after its second layer.
-    import flax.linen as nn
-    import jax.numpy as jnp
-    import optax
-    from flax.training import train_state
+    from linen_case import linen_case
 
-    class MLP(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            for i in range(3):
-                x = nn.relu(nn.Dense(32, name=f"hidden_{i}")(x))
-            return nn.Dense(4, name="head")(x)
-
-    model = MLP()
-    x = jax.random.normal(jax.random.key(0), (16, 8))
-    state = train_state.TrainState.create(
-        apply_fn=model.apply, params=model.init(jax.random.key(2), x[:1])["params"],
-        tx=optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2)))
-
-    def step(state, batch):
-        def loss(params):
-            logits = state.apply_fn({"params": params}, batch["x"])
-            return optax.softmax_cross_entropy_with_integer_labels(
-                logits, batch["y"]).mean(), logits
-        (value, logits), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
-        accuracy = jnp.mean(jnp.argmax(logits, -1) == batch["y"])
-        return state.apply_gradients(grads=grads), {"loss": value, "accuracy": accuracy}
-
-    def batch(i):
-        return {"x": jax.random.normal(jax.random.key(10 + i), (16, 8)),
-                "y": jax.random.randint(jax.random.key(20 + i), (16,), 0, 4)}
-
+    state, step, batch = linen_case([32, 32, 32])
     plan = sp.make_plan(step, jax.eval_shape(lambda: state), jax.eval_shape(lambda: batch(0)),
                         cluster=sp.Cluster.local(types={"a100-80g": 4, "v100-32g": 4}),
                         config=sp.PlanConfig(max_stages=1))
