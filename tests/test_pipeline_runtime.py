@@ -193,9 +193,9 @@ def _planned_for(plan, step, state, config):
 
 
 def test_clip_by_global_norm_across_stages() -> None:
-    # The clip is active (every step's norm is above it), so the update needs the global norm:
-    # each stage sums its own gradients' squares, the partial sums meet, the factor goes back.
-    # Only scalars cross stages in the update; the new parameters stay on their stages.
+    # The clip is active (the first step's gradient norm is above it), so the update needs
+    # the global norm: each stage sums its own gradients' squares, the partial sums meet, the
+    # factor goes back. Only scalars cross stages in the update; the new parameters stay on their stages.
     config = models.load_model_config("gpt-tiny")
     graphdef, state = models.init_train_state(config, seed=0,
                                               optimizer=models.make_optimizer(clip_norm=0.05))
@@ -204,9 +204,8 @@ def test_clip_by_global_norm_across_stages() -> None:
     piped = _pipeline(plan, [[("a100-80g", (0, 1), ("pre", "blocks.0")),
                               ("v100-32g", (4, 5), ("blocks.1", "post"))]], 4, [4])
     run = _three_steps(config, state, step, piped)
-    norms = [float(jax.jit(step)(state, models.example_batch(config, 16, seed=0))[1][
-        "grad_norm"])]
-    assert min(norms) > 0.05
+    norm = jax.jit(step)(state, models.example_batch(config, 16, seed=0))[1]["grad_norm"]
+    assert float(norm) > 0.05
     update = run._ready.update
     assert {p.stage for p in update} == {0, 1} and len(update) >= 3
     made = {v: p.stage for p in update for v in p.outputs}
