@@ -22,11 +22,14 @@ from shardplan.errors import SolverError as SolverError
 from shardplan.errors import TraceError as TraceError
 from shardplan.plan import Plan as Plan
 from shardplan.plan import load_plan as load_plan
-from shardplan.planner.single import PlanConfig as PlanConfig
+from shardplan.plan.diff import PlanDiff as PlanDiff
+from shardplan.plan.diff import diff as diff
+from shardplan.planner.config import PlanConfig as PlanConfig
 from shardplan.planner.single import make_plan as make_plan
 from shardplan.runtime.auto import auto as auto
 from shardplan.runtime.distributed import initialize_distributed as initialize_distributed
 from shardplan.runtime.spmd import apply_plan as apply_plan
+from shardplan.runtime.verify import check_plan as check_plan
 from shardplan.trace import OpGraph as OpGraph
 from shardplan.trace import trace as trace
 
@@ -46,6 +49,7 @@ __all__ = [
     "PipelineError",
     "Plan",
     "PlanConfig",
+    "PlanDiff",
     "PlanMismatchError",
     "RuntimeFailure",
     "ShardplanError",
@@ -55,6 +59,8 @@ __all__ = [
     "__version__",
     "apply_plan",
     "auto",
+    "check_plan",
+    "diff",
     "initialize_distributed",
     "load_plan",
     "make_plan",

@@ -6,6 +6,9 @@ and *how to fix it*. Build messages with :func:`format_error` so they read the s
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 __all__ = [
     "CheckpointError",
     "ClusterError",
@@ -19,6 +22,7 @@ __all__ = [
     "ShardplanWarning",
     "SolverError",
     "TraceError",
+    "did_you_mean",
     "format_error",
 ]
 
@@ -45,6 +49,17 @@ def format_error(what: str, *, where: str | None = None, value: object = None,
     if remedy is not None:
         lines.append(f"  fix:   {remedy}")
     return "\n".join(lines)
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """``"did you mean 'x'? "`` for the choice closest to ``word`` (``difflib``), else ``""``.
+
+    Example:
+      >>> did_you_mean("time_limit", ["time_limit_s", "max_stages"])
+      "did you mean 'time_limit_s'? "
+    """
+    close = difflib.get_close_matches(word, list(choices), n=1)
+    return f"did you mean {close[0]!r}? " if close else ""
 
 
 class ShardplanError(Exception):

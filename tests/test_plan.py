@@ -163,7 +163,7 @@ def test_wrong_schema_version_is_a_plan_mismatch() -> None:
     text = _edited(make_plan(), lambda d: d.update(schema_version=99))
     with pytest.raises(PlanMismatchError, match="schema_version 99") as info:
         Plan.from_json(text)
-    assert "reads schema_version 2, 3" in str(info.value) and SCHEMA_VERSION == 3
+    assert "reads schema_version 2, 3, 4" in str(info.value) and SCHEMA_VERSION == 4
     assert "0.1.0" in str(info.value)  # names the shardplan version that wrote it
 
 

@@ -51,3 +51,11 @@ def test_planned_model_step_equals_the_unsharded_step_for_three_steps(planned) -
     for kind, entry in compiled.items():
         assert entry["bytes"] == pytest.approx(predicted[kind], rel=0.01), (name, kind)
     assert plan.constraints  # the plan pins intermediate values, not only the arguments
+    # Verified before the first step: XLA's per-device memory within 10 % of the prediction,
+    # as plan.report() shows it.
+    (program,) = run.plan.compiled["programs"]
+    predicted_memory = max(plan.predicted.memory_bytes.values())
+    assert program["memory_bytes"] == pytest.approx(predicted_memory, rel=0.10), name
+    row = next(line for line in run.plan.report().splitlines()
+               if line.startswith("  stage 0") and "iB" in line)
+    assert 0.9 <= float(row.split()[-1]) <= 1.1, (name, row)

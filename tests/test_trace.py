@@ -79,6 +79,20 @@ def test_primitive_flop_rules_match_xla(fn) -> None:
     assert graph.total_flops() == pytest.approx(_xla_flops(fn, x, x), rel=0.02, abs=2)
 
 
+@pytest.mark.parametrize("shape,dtype", [((64,), jnp.uint32), ((16, 4, 8), jnp.uint8),
+                                         ((3, 5), jnp.uint16)])
+def test_random_bits_has_a_flop_rule_matching_xla(shape, dtype) -> None:
+    # Dropout draws its masks with random_bits: a known primitive, costed as XLA lowers it.
+    key = jax.random.key(0)
+
+    def fn(k):
+        return jax.random.bits(k, shape, dtype)
+
+    graph = sp.trace(fn, key)
+    assert graph.unknown_primitives == ()
+    assert graph.total_flops() == _xla_flops(fn, key)
+
+
 def test_gpt_matmul_flops_match_model_flops_formula() -> None:
     # Korthikanti et al. 2022: forward + backward matmul FLOPs of a GPT with MLP width 4h and
     # full attention scores = 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)). Untied head, so every

@@ -37,6 +37,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from shardplan._traceback import api_boundary
 from shardplan.cluster._parse import GROUP_EXAMPLE, cluster_parts, local_parts
 from shardplan.cluster._schema import FrozenMap, Where, as_str, fail, load_yaml
 from shardplan.cluster.catalog import catalog_names, load_device
@@ -158,6 +159,7 @@ class Cluster:
     # construction
 
     @classmethod
+    @api_boundary
     def from_yaml(
         cls, path: str | os.PathLike[str], devices: Sequence[Any] | None = None
     ) -> Cluster:
@@ -185,6 +187,7 @@ class Cluster:
         return cluster if devices is None else cluster._bind(devices, where.file)
 
     @classmethod
+    @api_boundary
     def from_dict(cls, d: Mapping[str, Any], devices: Sequence[Any] | None = None) -> Cluster:
         """Builds a cluster from a dict with the YAML schema (see the module docstring).
 
@@ -199,6 +202,7 @@ class Cluster:
         return cluster if devices is None else cluster._bind(devices, None)
 
     @classmethod
+    @api_boundary
     def local(
         cls, devices: Sequence[Any] | None = None, types: Mapping[str, int] | None = None
     ) -> Cluster:

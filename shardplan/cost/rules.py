@@ -331,7 +331,8 @@ def op_rule(graph: OpGraph, op: Op) -> OpRule:
                       rule.results) if scalars else rule
     if p == "iota":
         return b.rule([], [tuple((b.new(d),) if d > 1 else () for d in outs[0])])
-    if outs and all(_broadcastable(s, outs[0]) for s in ins + outs):
+    unknown = any(p == name for name, _ in graph.unknown_primitives)
+    if outs and not unknown and all(_broadcastable(s, outs[0]) for s in ins + outs):
         return _elementwise(b, ins, outs)
-    # No rule: everything replicated.
+    # No rule (or a primitive the tracer does not know, not guessed elementwise): replicated.
     return b.rule([b.fixed_dims(s) for s in ins], [b.fixed_dims(s) for s in outs])

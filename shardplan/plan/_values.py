@@ -182,7 +182,8 @@ def _freeze_json(value: object, *, where: str) -> object:
                                 value=value, remedy="use None for an unknown value")
         return value
     if isinstance(value, Mapping):
-        return FrozenMap({_check_str(k, where=f"{where} key"):
+        # (an empty key is a key path too: the path of a state that is one array)
+        return FrozenMap({_check_str(k, where=f"{where} key", empty_ok=True):
                           _freeze_json(v, where=f"{where}.{k}") for k, v in value.items()})
     if isinstance(value, Sequence):
         return tuple(_freeze_json(v, where=f"{where}[{i}]") for i, v in enumerate(value))

@@ -26,6 +26,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from shardplan._traceback import api_boundary
 from shardplan.errors import ConfigError, ShardplanError, format_error
 from shardplan.plan.plan import (
     VOLATILE_SOLVER_SUFFIX,
@@ -54,13 +55,14 @@ _NO_SOURCE = "<plan JSON>"
 _PLAN_KEYS = ({"schema_version", "shardplan_version", "graph_fingerprint", "cluster_hash",
                "config_hash", "stages", "param_specs", "batch_specs", "predicted", "solver"},
               {"constraints", "microbatches", "schedule", "notes", "microbatch_size", "chunks",
-               "replicas", "layouts"})
+               "replicas", "layouts", "state_types", "batch_types", "cluster_info", "compiled",
+               "measured"})
 _STAGE_KEYS = ({"index", "device_type", "mesh", "layers"}, {"remat", "replica", "layout"})
 _REPLICA_KEYS = ({"stages", "microbatches"}, set[str]())
 _LAYOUT_KEYS = ({"param_specs", "batch_specs"}, set[str]())
 _MESH_KEYS = ({"axis_names", "axis_sizes", "device_ids"}, set[str]())
 _PREDICTED_KEYS = ({"step_time_s", "compute_s", "communication_s", "memory_bytes",
-                    "collectives"}, set[str]())
+                    "collectives"}, {"stage_flops"})
 _PARAM_KEYS = ({"stage", "spec"}, set[str]())
 _CONSTRAINT_KEYS = ({"stage", "results", "operands"}, set[str]())
 
@@ -82,11 +84,12 @@ def _thaw(value: object) -> object:
 
 
 def plan_to_dict(plan: Plan, /, *, volatile: bool = True) -> dict[str, Any]:
-    """The JSON object of ``plan``; ``volatile=False`` drops the solver's ``*_time_s`` keys."""
+    """The JSON object of ``plan``; ``volatile=False`` drops the solver's ``*_time_s`` keys and
+    the compiled and measured figures (what :func:`content_hash` hashes)."""
     solver = {k: v for k, v in plan.solver.items()
               if volatile or not k.endswith(VOLATILE_SOLVER_SUFFIX)}
     p = plan.predicted
-    return {
+    data: dict[str, Any] = {
         "schema_version": plan.schema_version,
         "shardplan_version": plan.shardplan_version,
         "graph_fingerprint": plan.graph_fingerprint,
@@ -124,10 +127,18 @@ def plan_to_dict(plan: Plan, /, *, volatile: bool = True) -> dict[str, Any]:
             "communication_s": p.communication_s,
             "memory_bytes": {str(d): b for d, b in p.memory_bytes.items()},
             "collectives": _thaw(p.collectives),
+            "stage_flops": list(p.stage_flops),
         },
         "solver": _thaw(solver),
         "notes": list(plan.notes),
+        "state_types": dict(plan.state_types),
+        "batch_types": dict(plan.batch_types),
+        "cluster_info": _thaw(plan.cluster_info),
     }
+    if volatile:  # what a run measured describes the run, not the plan: not hashed
+        data["compiled"] = _thaw(plan.compiled)
+        data["measured"] = _thaw(plan.measured)
+    return data
 
 
 def _scalar(value: object) -> str:
@@ -288,7 +299,7 @@ def _predicted(data: object, *, where: str) -> Predicted:
     with _within(where):
         return Predicted(step_time_s=d["step_time_s"], compute_s=d["compute_s"],
                          communication_s=d["communication_s"], memory_bytes=memory_bytes,
-                         collectives=d["collectives"])
+                         collectives=d["collectives"], stage_flops=tuple(d.get("stage_flops", ())))
 
 
 def _param_specs(data: object, *, where: str) -> dict[str, tuple[int, Any]]:
@@ -321,7 +332,9 @@ def _plan_from_data(data: object) -> Plan:
         check_schema_version(data["schema_version"], made_by=data.get("shardplan_version"))
     d = _object(data, _PLAN_KEYS, where="plan")
     defaults = {"constraints": {}, "microbatches": 1, "schedule": "none", "notes": [],
-                "microbatch_size": 0, "chunks": 1, "replicas": [], "layouts": {}}
+                "microbatch_size": 0, "chunks": 1, "replicas": [], "layouts": {},
+                "state_types": {}, "batch_types": {}, "cluster_info": {}, "compiled": {},
+                "measured": {}}
     d = {**defaults, **d}
     return Plan(
         schema_version=d["schema_version"],
@@ -344,6 +357,11 @@ def _plan_from_data(data: object) -> Plan:
         predicted=_predicted(d["predicted"], where="plan.predicted"),
         solver=d["solver"],
         notes=tuple(_list(d["notes"], where="plan.notes")),
+        state_types=d["state_types"],
+        batch_types=d["batch_types"],
+        cluster_info=d["cluster_info"],
+        compiled=d["compiled"],
+        measured=d["measured"],
     )
 
 
@@ -430,6 +448,7 @@ def save(plan: Plan, path: str | os.PathLike[str], /) -> Path:
     return target
 
 
+@api_boundary
 def load_plan(path: str | os.PathLike[str], /) -> Plan:
     """Reads a plan file written by :meth:`Plan.save`.
 

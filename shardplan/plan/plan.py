@@ -56,12 +56,13 @@ __all__ = [
     "check_schema_version", "natural_key",
 ]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """Version of the JSON layout :meth:`Plan.to_json` writes (``docs/plan-format.md``)."""
 
-SUPPORTED_SCHEMA_VERSIONS: tuple[int, ...] = (2, 3)
+SUPPORTED_SCHEMA_VERSIONS: tuple[int, ...] = (2, 3, 4)
 """Schema versions :meth:`Plan.from_json` reads (2 is 3 without the pipeline fields: a
-one-stage, one-replica plan)."""
+one-stage, one-replica plan; 3 is 4 without the argument types, the cluster's outline and the
+compiled and measured figures, so a version-3 plan is checked against its step by hashes only)."""
 
 VOLATILE_SOLVER_SUFFIX = "_time_s"
 """``Plan.solver`` keys ending in this are wall-clock durations (``solve_time_s``).
@@ -237,6 +238,8 @@ class Predicted:
       collectives: ``{kind: {"count": n, "bytes": b}}`` per step, kinds as in HLO
         (``"all-reduce"``, ``"all-gather"``, ``"reduce-scatter"``, ``"all-to-all"``,
         ``"collective-permute"``).
+      stage_flops: per stage, the FLOPs one of its devices executes per step (every
+        microbatch); empty where the planner gave none (plans of schema version 3).
 
     Example:
         >>> p = Predicted(0.1, 0.08, 0.02, {0: 2**30}, {"all-reduce": {"count": 1, "bytes": 4}})
@@ -249,8 +252,12 @@ class Predicted:
     communication_s: float
     memory_bytes: Mapping[int, int]
     collectives: Mapping[str, Mapping[str, int]]  # kind -> {count, bytes}
+    stage_flops: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "stage_flops", tuple(
+            _check_float(f, where=f"predicted.stage_flops[{i}]")
+            for i, f in enumerate(_sequence(self.stage_flops, where="predicted.stage_flops"))))
         for name in ("step_time_s", "compute_s", "communication_s"):
             object.__setattr__(self, name,
                                _check_float(getattr(self, name), where=f"predicted.{name}"))
@@ -314,6 +321,19 @@ class Plan:
       timings: wall-clock seconds of the planning phases (``trace_s``, ``solve_s``, ...):
         shown by :meth:`summary`, but neither written to the JSON nor compared, so equal
         inputs give byte-identical plan files.
+      state_types: ``{state key path: "float32[8,16]"}``: the dtype and shape of every state
+        leaf the plan was made for (what a plan applied to another model is checked against,
+        so the error can name the leaf that differs).
+      batch_types: ``{batch key path: "int32[64,128]"}``, likewise for the batch.
+      cluster_info: an outline of the cluster the plan was made for: ``{"name": ...,
+        "device_types": {type: {"count": n, "memory_bytes": b}}}`` (capacities the plan's
+        memory is held to; names what differs when the cluster hash does not match).
+      compiled: what XLA compiled the plan's programs to on the devices it ran on
+        (``{"programs": [{"stage", "name", "memory_bytes", "flops", "collectives", ...}]}``;
+        empty until verified, see :func:`shardplan.runtime.verify.verify`). Written to the
+        JSON, but neither hashed nor compared: it describes a run, not the plan.
+      measured: step times measured while running (``{"steps", "step_time_s",
+        "stage_time_s"}``; empty until measured). Written, not hashed, not compared.
     """
 
     schema_version: int = SCHEMA_VERSION
@@ -336,9 +356,23 @@ class Plan:
     solver: Mapping[str, object]
     notes: tuple[str, ...] = ()
     timings: Mapping[str, float] = dataclasses.field(default_factory=dict, compare=False)
+    state_types: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    batch_types: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    cluster_info: Mapping[str, object] = dataclasses.field(default_factory=dict)
+    compiled: Mapping[str, object] = dataclasses.field(default_factory=dict, compare=False)
+    measured: Mapping[str, object] = dataclasses.field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         check_schema_version(self.schema_version)
+        for name in ("state_types", "batch_types"):
+            object.__setattr__(self, name, FrozenMap({
+                _check_str(k, where=f"plan.{name} key", empty_ok=True):
+                _check_str(v, where=f"plan.{name}[{k!r}]")
+                for k, v in _mapping(getattr(self, name), where=f"plan.{name}",
+                                     example="{'params/w': 'float32[8,16]'}").items()}))
+        for name in ("cluster_info", "compiled", "measured"):
+            value = _mapping(getattr(self, name), where=f"plan.{name}", example="{}")
+            object.__setattr__(self, name, _freeze_json(value, where=f"plan.{name}"))
         object.__setattr__(self, "timings", FrozenMap(
             {_check_str(k, where="plan.timings key"): _check_float(v, where=f"plan.timings[{k!r}]")
              for k, v in _mapping(self.timings, where="plan.timings",
@@ -440,6 +474,36 @@ class Plan:
         from shardplan.plan import summary
 
         return summary.plan_summary(self)
+
+    def explain(self, tensor: str | None = None) -> str:
+        """Why this plan: the runner-ups with their predicted step time and memory, or with
+        ``tensor`` (a state key path or pattern) that leaf's alternative shardings and what
+        each would change. Plain text, at most 100 columns (:mod:`shardplan.plan.explain`).
+
+        Raises:
+          ConfigError: ``tensor`` names no state leaf of the plan (with a did-you-mean).
+
+        Example:
+            >>> print(_example().explain().splitlines()[0])  # doctest: +ELLIPSIS
+            Plan ...: why this plan
+        """
+        from shardplan.plan import explain
+
+        return explain.explain(self, tensor)
+
+    def report(self) -> str:
+        """Predicted | compiled | measured, side by side: memory per stage, FLOPs, collectives
+        and step time (plain text, at most 100 columns). Compiled and measured columns are
+        filled once the plan has run through :func:`shardplan.apply_plan` or
+        :func:`shardplan.auto` (``step.plan``); before that they read ``-``.
+
+        Example:
+            >>> print(_example().report().splitlines()[0])  # doctest: +ELLIPSIS
+            Plan ...: predicted | compiled | measured
+        """
+        from shardplan.plan import report
+
+        return report.plan_report(self)
 
 
 def _example() -> Plan:

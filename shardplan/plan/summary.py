@@ -386,7 +386,8 @@ def _solver(plan: Plan) -> list[str]:
     head = str(s.get("status", "status unknown"))
     if "solve_time_s" in s and isinstance(s["solve_time_s"], int | float):
         head += f" in {float(s['solve_time_s']):.3g} s"
-    skip = ("status", "solve_time_s", "chosen", "candidates")
+    # (runner-ups and per-leaf alternatives are Plan.explain()'s: one line says they are there)
+    skip = ("status", "solve_time_s", "chosen", "candidates", "runner_ups", "alternatives")
     rest = [f"{k}={_format_value(v)}" for k, v in s.items() if k not in skip]
     lines = ["Solver"]
     lines += _pack(rest, f"  {head}: ", "    ") if rest else [f"  {head}"]
@@ -400,6 +401,8 @@ def _solver(plan: Plan) -> list[str]:
                 f"{seconds(c.get('step_s'))} / {seconds(c.get('simulated_step_s'))}"
                 for name, c in candidates.items() if isinstance(c, Mapping)]
         lines += _pack(rows, "  candidates, predicted / simulated step: ", "    ", sep="; ")
+    if "runner_ups" in s or "alternatives" in s:
+        lines.append("  runner-ups and alternative shardings: plan.explain()")
     if plan.timings:
         spent = [f"{k} {v:.3g} s" for k, v in plan.timings.items()]
         lines += _pack(spent, "  planning took: ", "    ", sep="; ")

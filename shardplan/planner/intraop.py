@@ -41,7 +41,7 @@ from shardplan.cost.sharding import (
     reshard_steps,
 )
 from shardplan.cost.strategies import OpStrategy, enumerate_strategies, factor_specs
-from shardplan.errors import ClusterError, format_error
+from shardplan.errors import ClusterError, ConfigError, format_error
 from shardplan.planner.memory import MemoryPeak, memory_cut
 from shardplan.solver import Edge, Follower, Node, Problem
 from shardplan.trace.graph import OpGraph
@@ -141,6 +141,7 @@ def build_intraop_problem(
     follow: bool = True,
     memory_budget_bytes: float | None = None,
     memory_peaks: tuple[MemoryPeak, ...] = (),
+    fixed_specs: Mapping[str, Spec] | None = None,
 ) -> IntraOpProblem:
     """Builds the intra-op problem of ``graph`` on ``mesh`` (see the module docstring).
 
@@ -157,6 +158,9 @@ def build_intraop_problem(
       memory_budget_bytes: per-device bytes the arguments (parameters, optimizer state, batch)
         may take, and at each of ``memory_peaks``; a hard constraint.
       memory_peaks: points of the step whose live bytes must fit the budget too.
+      fixed_specs: ``{state key path: spec}``: those state leaves may only take that sharding
+        (the user's annotations, :mod:`shardplan.planner.annotations`); every other strategy
+        of theirs costs ``inf``.
 
     Raises:
       ClusterError: the mesh spans several device types.
@@ -209,6 +213,10 @@ def build_intraop_problem(
                                                                    strict=True)]
         # Tied parameters share a node: their bytes add up.
         memory[n] = tuple(m + b for m, b in zip(memory[n], local, strict=True))
+    for p in graph.parameters:
+        if fixed_specs and p.arg_index == 0 and p.path in fixed_specs:
+            n = input_nodes[p.tensor]
+            compute[n] = _fixed(compute[n], strategies[n], fixed_specs[p.path], p.path, mesh)
     followers: list[Follower] = []
     for op in graph.ops:
         lead = _follow_target(graph, op, input_nodes, op_nodes, free) if follow else None
@@ -280,6 +288,21 @@ def build_intraop_problem(
         strategies=tuple(strategies),
         free_tensors=free,
     )
+
+
+def _fixed(costs: list[float], strategies: tuple[OpStrategy, ...], spec: Spec, path: str,
+           mesh: LogicalMesh) -> list[float]:
+    """``costs`` with every strategy whose sharding is not ``spec`` forbidden (axes of size 1
+    shard nothing and are dropped from ``spec``, as strategies never use them)."""
+    spec = tuple(tuple(a for a in dim if mesh.size(a) > 1) for dim in spec)
+    if not any(s.result_specs[0] == spec for s in strategies):
+        raise ConfigError(format_error(
+            "No sharding of the leaf on this mesh matches its annotation (a dimension split "
+            "over several axes must list them in the mesh's axis order).",
+            where=path, value={"annotation": spec, "mesh": mesh.shape},
+            remedy=f"annotate with the mesh axes in the order {mesh.axis_names}"))
+    return [c if s.result_specs[0] == spec else math.inf
+            for c, s in zip(costs, strategies, strict=True)]
 
 
 _FOLLOWERS = frozenset({

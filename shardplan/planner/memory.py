@@ -9,22 +9,77 @@ where the estimate exceeds the budget, :func:`memory_peaks` records the buffers 
 shardings the solver picks for their producers, the gathered copies as the reader's bytes where
 its strategy needs more than the holder holds, and fixed bytes for the rest. A cut is exact for
 the plan it came from, so the next solve excludes that plan.
+
+Before any of that, :func:`check_state_fits` refuses a state that the whole cluster could not
+hold even perfectly sharded, with the per-device lower bound and the devices it would take.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
+from shardplan.cluster import Cluster
 from shardplan.cluster.mesh import LogicalMesh
 from shardplan.cost.memory import MemoryEstimate
 from shardplan.cost.sharding import Spec
 from shardplan.cost.strategies import OpStrategy
+from shardplan.errors import InfeasibleError, format_error
 from shardplan.solver import MemoryCut
 from shardplan.trace.graph import OpGraph
 
-__all__ = ["MemoryPeak", "memory_cut", "memory_peaks"]
+__all__ = ["MemoryPeak", "check_state_fits", "memory_cut", "memory_peaks", "state_bytes"]
+
+
+def state_bytes(state: Any, /) -> int:
+    """The bytes of every leaf of ``state`` (arrays, scalars or ``ShapeDtypeStruct``s; a
+    Python scalar counts 4 bytes)."""
+    import jax
+
+    total = 0
+    for leaf in jax.tree.leaves(state):
+        itemsize = getattr(getattr(leaf, "dtype", None), "itemsize", 4)
+        total += math.prod(getattr(leaf, "shape", ())) * itemsize
+    return total
+
+
+def check_state_fits(state: Any, cluster: Cluster, budgets: Sequence[float]) -> None:
+    """Refuses a state larger than the usable memory of all of ``cluster``'s devices together.
+
+    Every plan keeps at least one copy of the state (parameters and optimizer state) in device
+    memory, so ``state bytes / devices`` is a lower bound on a device's share, and no group of
+    ``b`` usable bytes per device holds the state alone on fewer than ``state bytes / b``
+    devices. This check is cheap (no trace) and spares the solvers a search with no answer.
+
+    Args:
+      state: the state pytree.
+      cluster: the cluster.
+      budgets: per group (``cluster.groups`` order), the usable bytes per device.
+
+    Raises:
+      InfeasibleError: giving the state's bytes, the per-device lower bound and, per device
+        type, the fewest devices that could hold the state.
+    """
+    need = state_bytes(state)
+    have = sum(len(g.device_ids) * b for g, b in zip(cluster.groups, budgets, strict=True))
+    if need <= have:
+        return
+    lines = [f"{g.device.name}: at least {math.ceil(need / b):,} devices "
+             f"({b:,.0f} usable bytes each; the cluster has {len(g.device_ids)})"
+             for g, b in zip(cluster.groups, budgets, strict=True) if b > 0]
+    raise InfeasibleError(format_error(
+        f"The state alone ({need:,} bytes of parameters and optimizer state) exceeds the "
+        f"usable memory of all {cluster.num_devices} devices together ({have:,.0f} bytes): "
+        f"even perfectly sharded, the fullest device would hold >= "
+        f"{math.ceil(need / cluster.num_devices):,} bytes (the per-device lower bound).",
+        where=f"state, on cluster {cluster.name!r}",
+        value={"state_bytes": need, "per_device_lower_bound_bytes":
+               math.ceil(need / cluster.num_devices)},
+        remedy="use more or larger devices (the state alone needs, per device type: "
+               + "; ".join(lines) + "), a smaller model, or a smaller optimizer state "
+               "(e.g. bf16 moments), or raise PlanConfig.memory_budget_bytes"))
 
 
 @dataclasses.dataclass(frozen=True)

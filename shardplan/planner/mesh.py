@@ -42,7 +42,7 @@ from shardplan.solver import Solution, solve
 from shardplan.solver.family import ProblemFamily
 from shardplan.trace.graph import OpGraph
 
-__all__ = ["MeshChoice", "MeshSearch", "best_mesh", "candidate_meshes"]
+__all__ = ["MeshChoice", "MeshSearch", "best_mesh", "candidate_meshes", "coarser_meshes"]
 
 AXIS_NAMES = ("outer", "middle", "inner")
 """Axis names by position; a 2-axis mesh uses ``outer`` and ``inner``."""
@@ -120,17 +120,51 @@ def candidate_meshes(device_ids: Sequence[int], cluster: Cluster, *,
     return meshes
 
 
+def coarser_meshes(device_ids: Sequence[int], cluster: Cluster, *,
+                   max_axes: int = 2) -> list[LogicalMesh]:
+    """The aligned meshes :func:`candidate_meshes` leaves out because a candidate refines
+    them (8 devices in one node: the 1-axis mesh of 8, which 2 x 4 refines), fewest axes first.
+
+    No plan on them can beat the best plan on their refinement, so they are never solved to
+    choose a plan; they are solved for the runner-ups :meth:`shardplan.Plan.explain` shows (the
+    best plan on a simpler mesh, and what the finer mesh gains over it).
+    """
+    ids = sorted(device_ids, key=lambda d: (cluster.node_of(d), d))
+    per: dict[int, int] = {}
+    for d in ids:
+        per[cluster.node_of(d)] = per.get(cluster.node_of(d), 0) + 1
+    if len(set(per.values())) != 1:
+        return []
+    nodes, per_node = len(per), next(iter(per.values()))
+    chosen = set(_shapes(nodes, per_node, max_axes))
+    shapes: list[tuple[int, ...]] = []
+    for across in _factorisations(nodes, max_axes):
+        for inside in _factorisations(per_node, max_axes - len(across)):
+            shape = (tuple(sorted(across)) + tuple(sorted(inside))) or (1,)
+            if shape not in chosen and shape not in shapes:
+                shapes.append(shape)
+    if len(ids) > 1 and (len(ids),) not in chosen | set(shapes):
+        shapes.append((len(ids),))  # one axis over every node: the simplest mesh there is
+    shapes.sort(key=lambda shape: (len(shape), shape))
+    names = {1: ("inner",), 2: ("outer", "inner"), 3: AXIS_NAMES}
+    return [LogicalMesh(names[len(shape)], shape, tuple(ids)) for shape in shapes]
+
+
 @dataclasses.dataclass(frozen=True)
 class MeshChoice:
     """The best mesh and its solved intra-op problem, with every candidate's objective.
 
     ``problem`` is built on first use where the search solved without it (:class:`MeshSearch`).
+    ``others`` keeps the other candidates :func:`best_mesh` solved (their mesh, solution and
+    problem), so the plan can report its runner-ups without solving again.
     """
 
     mesh: LogicalMesh
     solution: Solution
     candidates: tuple[tuple[tuple[int, ...], float | None], ...]
     build: Callable[[], IntraOpProblem] = dataclasses.field(repr=False, compare=False)
+    others: tuple[tuple[LogicalMesh, Solution, IntraOpProblem], ...] = dataclasses.field(
+        default=(), repr=False, compare=False)
 
     @functools.cached_property
     def problem(self) -> IntraOpProblem:
@@ -139,18 +173,26 @@ class MeshChoice:
 
 
 def best_mesh(graph: OpGraph, device_ids: Sequence[int], cluster: Cluster, *,
-              max_axes: int = 2, **build_options: object) -> MeshChoice:
+              max_axes: int = 2, meshes: Sequence[LogicalMesh] | None = None,
+              **build_options: object) -> MeshChoice:
     """Solves the intra-op problem on every candidate mesh and keeps the cheapest.
+
+    ``meshes`` replaces :func:`candidate_meshes` (e.g. meshes with the user's axis names,
+    :func:`shardplan.planner.annotations.annotated_meshes`).
 
     Raises:
       InfeasibleError: no candidate mesh has a solution.
     """
     best: tuple[float, LogicalMesh, IntraOpProblem, Solution] | None = None
     seen: list[tuple[tuple[int, ...], float | None]] = []
-    for mesh in candidate_meshes(device_ids, cluster, max_axes=max_axes):
+    solved: list[tuple[LogicalMesh, Solution, IntraOpProblem]] = []
+    if meshes is None:
+        meshes = candidate_meshes(device_ids, cluster, max_axes=max_axes)
+    for mesh in meshes:
         ip = build_intraop_problem(graph, mesh, cluster, **build_options)  # type: ignore[arg-type]
         solution = solve(ip.problem)
         seen.append((mesh.axis_sizes, solution.objective))
+        solved.append((mesh, solution, ip))
         if solution.objective is None:
             continue
         if best is None or solution.objective < best[0]:
@@ -162,7 +204,7 @@ def best_mesh(graph: OpGraph, device_ids: Sequence[int], cluster: Cluster, *,
             remedy="add devices or raise the memory budget"))
     _, mesh, ip, solution = best
     return MeshChoice(mesh=mesh, solution=solution, candidates=tuple(seen),
-                      build=lambda: ip)
+                      build=lambda: ip, others=tuple(o for o in solved if o[0] is not mesh))
 
 
 class MeshSearch:

@@ -25,6 +25,7 @@ from shardplan.cluster.device import DeviceSpec
 from shardplan.cluster.link import Link as ClusterLink
 from shardplan.errors import ConfigError, format_error
 from shardplan.plan.plan import Layout, MeshSpec, Plan, Predicted, ReplicaSpec, Spec, Stage
+from shardplan.planner.alternatives import LAYOUT_BASIS, leaf_alternatives, pipeline_runner_ups
 from shardplan.planner.decode import decode_input_specs
 from shardplan.planner.layer_costs import LayerCosts
 from shardplan.solver.pipeline import (
@@ -252,6 +253,9 @@ def make_pipeline_plan(train_step: Callable[..., Any], state: Any, batch: Any, /
     global_batch = batch_size(batch)
     reference = min(config.reference_microbatch, global_batch)
     graph = trace(train_step, state, microbatch_of(batch, reference))
+    from shardplan.planner.single import check_primitives
+
+    check_primitives(graph, strict=config.strict)
     traced = time.perf_counter()
     costs = layer_costs(graph, cluster, reference_batch=reference,
                         max_mesh_axes=config.max_mesh_axes, time_limit_s=config.time_limit_s,
@@ -323,6 +327,7 @@ def _pipeline_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, costs: 
     ids = allocate_devices(cluster, [(st.group, st.devices) for _, _, st in flat])
     shared = [layer.name for layer in graph.layers if layer.kind == "shared"]
     layouts: dict[str, Layout] = {}
+    alternatives: dict[str, dict[str, Any]] = {}
     stages: list[Stage] = []
     replicas: list[list[int]] = [[] for _ in pp.replicas]
     memory: dict[int, int] = {}
@@ -336,6 +341,8 @@ def _pipeline_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, costs: 
             layouts[name] = Layout(
                 {p.path: specs[p.tensor] for p in graph.parameters if p.arg_index == 0},
                 {p.path: specs[p.tensor] for p in graph.parameters if p.arg_index == 1})
+            alternatives[name] = leaf_alternatives(graph, intra.problem, intra.solution,
+                                                   basis=LAYOUT_BASIS)
         stages.append(Stage(index=index, device_type=group.device.name,
                             mesh=MeshSpec(mesh.axis_names, mesh.axis_sizes, devices),
                             layers=tuple(costs.names[x] for x in st.layers) + tuple(shared),
@@ -369,6 +376,9 @@ def _pipeline_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, costs: 
                                 "simulated_step_s": (c.simulation.step_time_s
                                                      if c.simulation else None)}
                        for c in solution.candidates},
+        # for Plan.explain (planner/alternatives.py)
+        "runner_ups": pipeline_runner_ups(solution, [g.device.name for g in cluster.groups]),
+        "alternatives": {"layouts": alternatives},
     }
     if not stats.optimal and math.isfinite(stats.lower_bound):
         solver["lower_bound"] = stats.lower_bound

@@ -6,116 +6,47 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import math
-from collections.abc import Callable
-from typing import Any, Literal
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
+from shardplan._traceback import api_boundary
 from shardplan.cluster import Cluster
+from shardplan.cluster.mesh import LogicalMesh
 from shardplan.cost.memory import MemoryEstimate, estimate_memory
+from shardplan.cost.sharding import Spec
 from shardplan.cost.step import step_cost
-from shardplan.errors import ConfigError, InfeasibleError, PipelineError, format_error
+from shardplan.errors import (
+    ConfigError,
+    InfeasibleError,
+    PipelineError,
+    ShardplanWarning,
+    TraceError,
+    format_error,
+)
 from shardplan.plan import MeshSpec, Plan, Predicted, Stage
+from shardplan.planner.alternatives import leaf_alternatives, runner_ups
+from shardplan.planner.annotations import (
+    annotated_meshes,
+    annotation_axes,
+    check_annotations,
+    leaf_shapes,
+    read_annotations,
+    tie_periods,
+)
+from shardplan.planner.config import PlanConfig
 from shardplan.planner.decode import decode_constraints, decode_input_specs, placed_analysis
-from shardplan.planner.intraop import tie_layers
-from shardplan.planner.memory import MemoryPeak, memory_peaks
-from shardplan.planner.mesh import MeshChoice, best_mesh
-from shardplan.solver.pipeline import REMATS, SCHEDULES, Remat, Schedule
+from shardplan.planner.intraop import IntraOpProblem, tie_layers
+from shardplan.planner.memory import MemoryPeak, check_state_fits, memory_peaks
+from shardplan.planner.mesh import MeshChoice, best_mesh, coarser_meshes
+from shardplan.planner.stamp import stamped
+from shardplan.solver import Solution
 from shardplan.trace import trace
+from shardplan.trace.api import check_leaves
 from shardplan.trace.graph import OpGraph
 
 __all__ = ["PlanConfig", "graph_fingerprint", "make_plan"]
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanConfig:
-    """Options of :func:`make_plan`.
-
-    Attributes:
-      memory_budget_bytes: per-device bytes the state and batch may take (None: the device's
-        memory).
-      time_limit_s: the solver's limit per candidate mesh.
-      relative_gap: accept a sharding whose predicted cost is within this fraction of the
-        proven optimum (the LP bound); 1 % by default, above the 0.1 % tie-breaking salt.
-      tie_periods: layer-tying periods to try (1: every block alike; 2: alternating pairs).
-      max_mesh_axes: most logical mesh axes (see :mod:`shardplan.planner.mesh`; 3 makes
-        the problem about 17 times larger).
-      memory_headroom: the fraction of each device's memory kept free (for the framework,
-        fragmentation and what the model does not see) when ``memory_budget_bytes`` is None.
-      pipeline: ``None``: multi-stage plans (the stage planner) on clusters with several device
-        types, one mesh otherwise; ``True``: the stage planner on any cluster; ``False``: one
-        mesh (refused on clusters with several device types).
-      microbatch_sizes: candidate microbatch sizes in samples (empty: the powers of two that
-        divide the batch, and the batch); stage planner only.
-      schedules: pipeline schedules to consider (``gpipe``, ``1f1b``, ``interleaved``).
-      remats: rematerialisation policies to consider per stage (``none``, ``selective``,
-        ``full``).
-      chunks: model chunks per stage the interleaved schedule may use.
-      max_stages: most stages per replica (0: no limit).
-      objective: ``"time"`` (minimum step time) or ``"cost"`` (minimum dollars per step at
-        the catalog's prices, subject to ``min_throughput``).
-      min_throughput: the cost objective's floor in samples per second.
-      reference_microbatch: the microbatch size (samples) the layer cost tables are solved
-        at; inside a stage the batch is then not split (data parallelism runs across
-        replicas).
-      stage_time_limit_s: the stage planner's budget: past it, the best plan found so far is
-        returned with a proven lower bound (``plan.solver["status"] == "feasible"``, a
-        :class:`~shardplan.errors.ShardplanWarning` gives the gap); small problems finish
-        within it, proven optimal.
-      stage_work_limit: the stage planner's work budget (labels, states and sweep steps;
-        0, the default: none). A search cut by it returns the same plan on any machine
-        under any load (a search cut by the clock may not); the time limit stays the
-        safety net.
-    """
-
-    memory_budget_bytes: float | None = None
-    time_limit_s: float = 30.0
-    relative_gap: float = 0.01
-    tie_periods: tuple[int, ...] = (1, 2)
-    max_mesh_axes: int = 2
-    memory_headroom: float = 0.1
-    pipeline: bool | None = None
-    microbatch_sizes: tuple[int, ...] = ()
-    schedules: tuple[Schedule, ...] = SCHEDULES
-    remats: tuple[Remat, ...] = REMATS
-    chunks: tuple[int, ...] = (2,)
-    max_stages: int = 0
-    objective: Literal["time", "cost"] = "time"
-    min_throughput: float = 0.0
-    reference_microbatch: int = 1
-    stage_time_limit_s: float = 2.5
-    stage_work_limit: int = 0
-
-    def __post_init__(self) -> None:
-        checks = [
-            ("memory_headroom", 0.0 <= self.memory_headroom < 1.0, "a fraction in [0, 1)"),
-            ("objective", self.objective in ("time", "cost"), "'time' or 'cost'"),
-            ("schedules", bool(self.schedules) and set(self.schedules) <= set(SCHEDULES),
-             f"a non-empty subset of {SCHEDULES}"),
-            ("remats", bool(self.remats) and set(self.remats) <= set(REMATS),
-             f"a non-empty subset of {REMATS}"),
-            ("chunks", all(isinstance(c, int) and c >= 2 for c in self.chunks),
-             "integers >= 2"),
-            ("microbatch_sizes", all(isinstance(m, int) and m >= 1
-                                     for m in self.microbatch_sizes), "positive integers"),
-            ("max_stages", isinstance(self.max_stages, int) and self.max_stages >= 0,
-             "an integer >= 0"),
-            ("min_throughput", self.min_throughput >= 0, "a number >= 0"),
-            ("reference_microbatch", isinstance(self.reference_microbatch, int)
-             and self.reference_microbatch >= 1, "an integer >= 1"),
-            ("stage_time_limit_s", self.stage_time_limit_s > 0, "a number of seconds > 0"),
-            ("stage_work_limit", isinstance(self.stage_work_limit, int)
-             and self.stage_work_limit >= 0, "an integer >= 0"),
-        ]
-        for name, ok, want in checks:
-            if not ok:
-                raise ConfigError(format_error(
-                    f"PlanConfig.{name} must be {want}.", where=f"PlanConfig.{name}",
-                    value=getattr(self, name), remedy=f"pass {want}"))
-
-    def content_hash(self) -> str:
-        text = json.dumps(dataclasses.asdict(self), sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def graph_fingerprint(graph: OpGraph) -> str:
@@ -128,8 +59,11 @@ def graph_fingerprint(graph: OpGraph) -> str:
     return h.hexdigest()[:16]
 
 
+@api_boundary  # outermost: no shardplan frame above JAX's traceback filter
+@stamped
 def make_plan(train_step: Callable[..., Any], state: Any, batch: Any, /, *, cluster: Cluster,
-              config: PlanConfig | None = None) -> Plan:
+              config: PlanConfig | None = None,
+              annotations: Mapping[str, Sequence[Any]] | None = None) -> Plan:
     """Plans ``train_step(state, batch)`` on ``cluster`` without running it.
 
     On a cluster of one device type (and ``PlanConfig.pipeline`` not ``True``): one mesh over
@@ -144,17 +78,49 @@ def make_plan(train_step: Callable[..., Any], state: Any, batch: Any, /, *, clus
       batch: the batch pytree (every leaf's leading axis is the samples).
       cluster: the cluster.
       config: planning options.
+      annotations: with ``PlanConfig.respect_annotations``, the user's shardings
+        ``{state key path: spec}`` (a spec: per dimension None, a mesh axis name or a tuple
+        of them, like a ``PartitionSpec``); None: read off ``state``
+        (:func:`shardplan.planner.annotations.read_annotations` with
+        ``PlanConfig.axis_rules``), which needs ``state`` to hold the annotated variables.
 
     Returns:
       The :class:`~shardplan.plan.Plan`.
 
     Raises:
       InfeasibleError: no plan fits the devices' memory (the message gives the per-device
-        lower bound and, per device type, the fewest devices that would hold the model).
+        lower bound and, per device type, the fewest devices that would hold the model; on
+        one mesh, the batch sizes data parallelism can split where the batch is the cause).
       PipelineError: ``pipeline=False`` on a cluster with several device types.
+      TraceError: a leaf of ``state`` or ``batch`` is not an array (named by key path,
+        ``state/...``), or (``PlanConfig.strict``) the step uses a primitive without a rule.
+
+    Warns:
+      ShardplanWarning: a solver stopped at its time or work limit (the plan is the best
+        found; the message gives the gap), or primitives without a rule planned replicated
+        (``strict=False``).
+
+    Errors raised here hide shardplan's frames from the traceback
+    (``JAX_TRACEBACK_FILTERING=off`` shows them; :mod:`shardplan._traceback`).
+      ConfigError: an annotation does not fit its leaf or the devices (it names the key
+        path), or annotations on a multi-stage plan.
     """
     config = config or PlanConfig()
+    check_leaves((state, batch), ("state", "batch"))
+    from shardplan.planner.multi import memory_budget
+
+    check_state_fits(state, cluster,
+                     [memory_budget(config, g.device.memory_bytes) for g in cluster.groups])
     several = len(cluster.groups) != 1
+    fixed = _annotations(state, config, annotations)
+    if fixed is not None and (config.pipeline or several):
+        raise ConfigError(format_error(
+            "PlanConfig(respect_annotations=True) is supported for one-mesh plans so far; this "
+            "one would be a multi-stage plan.",
+            where=f"cluster {cluster.name!r}, PlanConfig.pipeline={config.pipeline}",
+            value=[g.name for g in cluster.groups],
+            remedy="plan on one device group with pipeline=None/False, or drop "
+                   "respect_annotations"))
     if config.pipeline or (config.pipeline is None and several):
         from shardplan.planner.multi import make_pipeline_plan
 
@@ -167,7 +133,13 @@ def make_plan(train_step: Callable[..., Any], state: Any, batch: Any, /, *, clus
             remedy="leave PlanConfig.pipeline at None (stages per device type), or plan on one "
                    "group"))
     graph = trace(train_step, state, batch)
+    check_primitives(graph, strict=config.strict)
     group = cluster.groups[0]
+    meshes = None
+    axes = annotation_axes(fixed or {}, config.axis_rules)
+    if fixed is not None and axes:
+        meshes = tuple(annotated_meshes(group.device_ids, cluster, axes, fixed,
+                                        leaf_shapes(state)))
     from shardplan.planner.multi import memory_budget
 
     budget = memory_budget(config, group.device.memory_bytes)
@@ -187,9 +159,13 @@ def make_plan(train_step: Callable[..., Any], state: Any, batch: Any, /, *, clus
     failed_at = math.inf  # the smallest prediction of a plan that failed to compile within
     for _ in range(MEMORY_ROUNDS):
         try:
-            choice = _search(graph, cluster, config, model_budget, tuple(cuts))
-        except InfeasibleError:
+            choice = _search(graph, cluster, config, model_budget, tuple(cuts),
+                             meshes=meshes, fixed=fixed)
+        except InfeasibleError as err:
             if failed_at == math.inf and not cuts:
+                hint = batch_hint(batch, len(group.device_ids))
+                if hint:
+                    raise InfeasibleError(f"{err}\n  batch: {hint}") from None
                 raise
             infeasible_below = model_budget
             if failed_at == math.inf or failed_at - infeasible_below < BISECT_BYTES:
@@ -203,12 +179,14 @@ def make_plan(train_step: Callable[..., Any], state: Any, batch: Any, /, *, clus
             cuts += memory_peaks(memory, model_budget, len(graph.ops))
             continue
         if cluster.devices is None or predicted < VERIFY_FRACTION * budget:
+            _warn_time_limit(choice, config)
             return plan
         compiled = _compiled_peak(train_step, plan, state, batch)
         if compiled is None or compiled <= budget:
             if compiled is not None:
                 plan = dataclasses.replace(plan, solver={**plan.solver,
                                                          "compiled_peak_bytes": compiled})
+            _warn_time_limit(choice, config)
             return plan
         peaks.append(compiled)
         failed_at = min(failed_at, predicted)
@@ -220,7 +198,77 @@ def make_plan(train_step: Callable[..., Any], state: Any, batch: Any, /, *, clus
         where=f"cluster {cluster.name!r}, {len(group.device_ids)} x {group.device.name}",
         value={"budget_bytes": budget, "peak_bytes_of_the_plans_tried": peaks},
         remedy="use more devices, a smaller batch, or raise PlanConfig.memory_budget_bytes "
-               "(rematerialisation and microbatching come with the stage planner)"))
+               "(rematerialisation and microbatching come with the stage planner)"
+               + (f"; {hint}" if (hint := batch_hint(batch, len(group.device_ids))) else "")))
+
+
+def batch_hint(batch: Any, devices: int, /) -> str:
+    """Why data parallelism cannot split ``batch`` over all ``devices``, and the nearest batch
+    sizes it can (empty when the device count divides the batch).
+
+    A mesh axis shards the batch dimension only where its size divides the batch, so a batch
+    of ``B`` samples splits over at most ``gcd(B, devices)`` devices.
+
+    Example:
+      >>> import jax
+      >>> batch_hint(jax.ShapeDtypeStruct((12, 4), "float32"), 8)[:48]
+      'the batch of 12 samples splits over at most 4 of'
+    """
+    from shardplan.planner.multi import batch_size
+
+    b = batch_size(batch)
+    if b % devices == 0:
+        return ""
+    lower, upper = b // devices * devices, (b // devices + 1) * devices
+    sizes = " or ".join(str(s) for s in (lower, upper) if s > 0)
+    return (f"the batch of {b} samples splits over at most {math.gcd(b, devices)} of the "
+            f"{devices} devices (data parallelism needs a mesh axis size that divides it); "
+            f"batch sizes all {devices} devices can share: {sizes} (any multiple of "
+            f"{devices})")
+
+
+def _warn_time_limit(choice: MeshChoice, config: PlanConfig) -> None:
+    """Warns that the intra-op solver stopped at ``PlanConfig.time_limit_s`` with a sharding
+    further than ``relative_gap`` from its proven lower bound (a sharding within the gap is
+    what the config asked for, whatever stopped the solver)."""
+    sol = choice.solution
+    if sol.status != "feasible" or sol.gap is None or sol.gap <= config.relative_gap:
+        return
+    warnings.warn(format_error(
+        f"The intra-op solver reached its {config.time_limit_s:g} s limit: the sharding is the "
+        f"best found, within {100 * sol.gap:.1f} % of the proven lower bound, not proven "
+        "optimal.",
+        where=f"PlanConfig.time_limit_s (mesh {choice.mesh.axis_names} = "
+              f"{choice.mesh.axis_sizes})",
+        value=config.time_limit_s,
+        remedy="raise PlanConfig.time_limit_s to search longer, or PlanConfig.relative_gap to "
+               "accept this gap"), ShardplanWarning, stacklevel=4)
+
+
+def check_primitives(graph: OpGraph, /, *, strict: bool) -> None:
+    """Refuses (``strict``) or warns about the primitives of ``graph`` that have no cost or
+    sharding rule (:attr:`OpGraph.unknown_primitives`); planned, they are replicated
+    (:func:`shardplan.cost.rules.op_rule`).
+
+    Raises:
+      TraceError: ``strict`` and some primitive has no rule (each named with its source line).
+    """
+    if not graph.unknown_primitives:
+        return
+    names = "; ".join(f"{p} at {src or 'an unknown line'}" for p, src in graph.unknown_primitives)
+    if strict:
+        raise TraceError(format_error(
+            "The step uses primitives shardplan has no cost or sharding rule for.",
+            where=names, value=[p for p, _ in graph.unknown_primitives],
+            remedy="pass PlanConfig(strict=False) to plan them replicated (every device "
+                   "computes the whole result; their FLOPs are estimated), or add a rule "
+                   "for them (shardplan/trace/flops.py and shardplan/cost/rules.py)"))
+    warnings.warn(format_error(
+        "The step uses primitives shardplan has no cost or sharding rule for; they are "
+        "planned replicated (their operands and results on every device).",
+        where=names, value=[p for p, _ in graph.unknown_primitives],
+        remedy="add a rule for them (shardplan/trace/flops.py and shardplan/cost/rules.py)"),
+        ShardplanWarning, stacklevel=2)
 
 
 MEMORY_ROUNDS = 10
@@ -247,13 +295,16 @@ def _compiled_peak(train_step: Callable[..., Any], plan: Plan, state: Any,
 
 
 def _search(graph: OpGraph, cluster: Cluster, config: PlanConfig, budget: float,
-            cuts: tuple[MemoryPeak, ...]) -> MeshChoice:
+            cuts: tuple[MemoryPeak, ...], *, meshes: tuple[LogicalMesh, ...] | None = None,
+            fixed: Mapping[str, Spec] | None = None) -> MeshChoice:
     """The best mesh and sharding over the tying periods, the arguments and the cuts within
-    the budget."""
+    the budget (on ``meshes`` if given, with the leaves of ``fixed`` sharded as it says)."""
     group = cluster.groups[0]
     choice: MeshChoice | None = None
     seen: list[object] = []
-    for period in config.tie_periods:
+    others: list[tuple[LogicalMesh, Solution, IntraOpProblem]] = []
+    periods = tie_periods(graph, config.tie_periods, fixed) if fixed else config.tie_periods
+    for period in periods:
         ties = tie_layers(graph, period) if period else ({}, {})
         if ties in seen:  # e.g. a scanned stack, or too few blocks: the same problem again
             continue
@@ -262,13 +313,55 @@ def _search(graph: OpGraph, cluster: Cluster, config: PlanConfig, budget: float,
                               tie_period=period,
                               time_limit_s=config.time_limit_s,
                               relative_gap=config.relative_gap,
-                              memory_budget_bytes=budget, memory_peaks=cuts)
+                              memory_budget_bytes=budget, memory_peaks=cuts,
+                              meshes=meshes, fixed_specs=fixed)
         objective = candidate.solution.objective
         assert objective is not None
+        others += candidate.others  # the runner-ups (planner/alternatives.py)
         if choice is None or objective < (choice.solution.objective or float("inf")):
-            choice = candidate
+            if choice is not None:
+                others.append((choice.mesh, choice.solution, choice.problem))
+            choice, choice_period = candidate, period
+        else:
+            others.append((candidate.mesh, candidate.solution, candidate.problem))
     assert choice is not None
-    return choice
+    shapes = {m.axis_sizes for m, _, _ in others} - {choice.mesh.axis_sizes}
+    if meshes is None and len(shapes) < RUNNER_UPS:
+        # Too few other meshes were worth solving to choose: solve simpler ones for the
+        # runner-ups (never chosen: their refinement holds every plan they have).
+        coarse = [m for m in coarser_meshes(group.device_ids, cluster,
+                                            max_axes=config.max_mesh_axes)
+                  if m.axis_sizes not in shapes][:RUNNER_UPS - len(shapes)]
+        if coarse:
+            try:
+                extra = best_mesh(graph, group.device_ids, cluster, tie_period=choice_period,
+                                  time_limit_s=config.time_limit_s,
+                                  relative_gap=config.relative_gap,
+                                  memory_budget_bytes=budget, memory_peaks=cuts,
+                                  meshes=coarse, fixed_specs=fixed)
+                others += [(extra.mesh, extra.solution, extra.problem), *extra.others]
+            except InfeasibleError:
+                pass  # no plan fits on the simpler meshes: nothing to show
+    return dataclasses.replace(choice, others=tuple(others))
+
+
+RUNNER_UPS = 2
+"""Other mesh shapes a one-mesh plan reports as runner-ups (``plan.explain()``)."""
+
+
+def _annotations(state: Any, config: PlanConfig,
+                 annotations: Mapping[str, Sequence[Any]] | None) -> dict[str, Spec] | None:
+    """The checked annotations to plan with (None: ``respect_annotations`` is off)."""
+    if not config.respect_annotations:
+        if annotations is not None:
+            raise ConfigError(format_error(
+                "make_plan got annotations= but PlanConfig.respect_annotations is False.",
+                where="make_plan(annotations=...)", value=len(annotations),
+                remedy="pass PlanConfig(respect_annotations=True), or no annotations"))
+        return None
+    if annotations is None:
+        annotations = read_annotations(state, rules=config.axis_rules or None)
+    return check_annotations(annotations, leaf_shapes(state))
 
 
 def _build_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, choice: MeshChoice, *,
@@ -299,10 +392,15 @@ def _build_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, choice: Me
         predicted=Predicted(step_time_s=cost.step_time_s, compute_s=cost.compute_s,
                             communication_s=cost.communication_s,
                             memory_bytes={d: memory.peak_bytes for d in mesh.device_ids},
-                            collectives=cost.collectives),
+                            collectives=cost.collectives,
+                            stage_flops=(cost.per_device_flops,)),
         solver={"status": sol.status, "objective_s": sol.objective, "gap": sol.gap,
                 "variables": sol.stats.get("variables"),
-                "mesh_candidates": [[list(shape), obj] for shape, obj in choice.candidates]},
+                "mesh_candidates": [[list(shape), obj] for shape, obj in choice.candidates],
+                "runner_ups": runner_ups(graph, cluster, choice, step_time_s=cost.step_time_s,
+                                         peak_bytes=memory.peak_bytes,
+                                         reduce_scatter=reduce_scatter),
+                "alternatives": leaf_alternatives(graph, choice.problem, sol)},
     )
     return plan, memory
 

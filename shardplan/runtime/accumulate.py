@@ -226,6 +226,32 @@ def _split(train_step: Callable[..., Any], state: Any, batch: Any, /) -> StepSpl
                      len(grad_idx), len(update_idx), tuple(grad_idx))
 
 
+def _describe_cut(split: StepSplit, i: int) -> str:
+    """``cut value 1 (f32[]), returned as metrics/worst, computed at step.py:12 (step)``: the
+    cut value, the step outputs that return it unchanged, and its source line."""
+    from jax._src import source_info_util
+
+    text = f"cut value {i} ({split.cut_avals[i]})"
+    update = split.update.jaxpr
+    cut_in = update.invars[len(update.invars) - len(split.cut_avals) + i]
+    paths = jax.tree_util.tree_flatten_with_path(
+        jax.tree_util.tree_unflatten(split.out_tree, range(split.out_tree.num_leaves)))[0]
+    names = []
+    for (path, _), var in zip(paths, update.outvars, strict=True):
+        if var is cut_in:
+            key = jax.tree_util.keystr(path, simple=True, separator="/")
+            head, _, rest = key.partition("/")
+            names.append(f"{ {'0': 'state', '1': 'metrics'}.get(head, head)}/{rest}"
+                         if rest else key)
+    if names:
+        text += ", returned as " + ", ".join(names)
+    var = split.gradient.jaxpr.outvars[i]
+    eqn = next((e for e in split.gradient.jaxpr.eqns if var in e.outvars), None)
+    if eqn is not None:
+        text += f", computed at {source_info_util.summarize(eqn.source_info)}"
+    return text
+
+
 def _norm(xs: Sequence[np.ndarray]) -> float:
     return float(np.sqrt(sum(float(np.sum(x * x)) for x in xs)))
 
@@ -269,7 +295,7 @@ def reduction_kinds(train_step: Callable[..., Any], state: Any, first: Any, seco
                 kinds[i] = "sum"
             continue
         what = ("the gradients" if split.cut_backward[group[0]]
-                else f"cut value {group[0]} ({split.cut_avals[group[0]]})")
+                else _describe_cut(split, group[0]))
         raise PipelineError(format_error(
             "A value the train step hands from its gradient computation to its update (or "
             "returns) is neither a mean nor a sum over the batch, so it cannot be accumulated "

@@ -7,24 +7,43 @@ places its inputs itself). The first call with a new signature plans with
 arguments (planning never sees the real arrays), binds the plan with
 :func:`~shardplan.runtime.spmd.apply_plan` and keeps the bound step; later calls with that
 signature go straight to it, so nothing is planned or traced again.
+
+Plans are also kept on disk, one JSON file per (graph fingerprint, cluster hash, config hash,
+shardplan version): a new process, or a new ``sp.auto`` of the same step, traces the step to
+fingerprint it and loads the plan instead of planning (solving is what takes the time). The
+directory is ``cache_dir=``, else ``$SHARDPLAN_CACHE_DIR``, else
+``$XDG_CACHE_HOME/shardplan/plans`` (``~/.cache/shardplan/plans``). A cached file that is
+unreadable or belongs to something else is planned again and overwritten, with a warning.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
 import threading
+import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, overload
 
 import jax
 
 from shardplan.cluster import Cluster
-from shardplan.errors import ConfigError, PlanMismatchError, format_error
-from shardplan.plan import Plan
-from shardplan.planner.single import PlanConfig, make_plan
+from shardplan.errors import (
+    ConfigError,
+    PlanMismatchError,
+    ShardplanError,
+    ShardplanWarning,
+    format_error,
+)
+from shardplan.plan import Plan, load_plan
+from shardplan.planner.annotations import read_annotations
+from shardplan.planner.single import PlanConfig, graph_fingerprint, make_plan
 from shardplan.runtime.spmd import PlannedStep, apply_plan
+from shardplan.trace import trace
 
-__all__ = ["AutoStep", "Signature", "auto", "signature"]
+__all__ = ["AutoStep", "Signature", "auto", "default_cache_dir", "signature"]
 
 LeafType = tuple[tuple[int, ...], Any, bool]
 """``(shape, dtype, weak_type)`` of one argument leaf."""
@@ -100,6 +119,15 @@ def _abstract(sig: Signature) -> tuple[Any, Any]:
     return state, batch
 
 
+def default_cache_dir() -> Path:
+    """Where :func:`auto` keeps plans: ``$SHARDPLAN_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/shardplan/plans``, else ``~/.cache/shardplan/plans``."""
+    if os.environ.get("SHARDPLAN_CACHE_DIR"):
+        return Path(os.environ["SHARDPLAN_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "shardplan" / "plans"
+
+
 class AutoStep:
     """A train step that plans itself on its first call per input signature (see :func:`auto`).
 
@@ -108,16 +136,20 @@ class AutoStep:
         :func:`auto` got ``cluster=None``; then the devices jax sees).
       config: the planning options (None: :class:`~shardplan.planner.single.PlanConfig`
         defaults).
+      cache_dir: the directory plan files are kept in (None: not kept on disk).
+      sources: per signature planned, where its plan came from: ``"planned"`` or ``"disk"``.
     """
 
     __wrapped__: Callable[..., Any]
 
     def __init__(self, fn: Callable[..., Any], /, *, cluster: Cluster | None,
-                 config: PlanConfig | None) -> None:
+                 config: PlanConfig | None, cache_dir: Path | None) -> None:
         functools.update_wrapper(self, fn)
         self._fn = fn
         self.cluster = cluster
         self.config = config
+        self.cache_dir = cache_dir
+        self.sources: dict[Signature, str] = {}
         self._steps: dict[Signature, PlannedStep] = {}
         self._lock = threading.Lock()  # two threads must not plan the same signature twice
 
@@ -126,7 +158,7 @@ class AutoStep:
         sig = signature(state, batch)
         step = self._steps.get(sig)
         if step is None:
-            step = self._planned(sig)
+            step = self._planned(sig, state)
         return step(state, batch)
 
     def plan_for(self, state: Any, batch: Any, /) -> Plan:
@@ -139,7 +171,7 @@ class AutoStep:
         Returns:
           The cached :class:`~shardplan.plan.Plan` for the arguments' signature.
         """
-        return self._planned(signature(state, batch)).plan
+        return self._planned(signature(state, batch), state).plan
 
     @property
     def plans(self) -> tuple[Plan, ...]:
@@ -147,23 +179,69 @@ class AutoStep:
         return tuple(step.plan for step in self._steps.values())
 
     def cache_clear(self) -> None:
-        """Forgets every cached plan and compiled step; the next call plans again."""
+        """Forgets every plan and compiled step held in memory (plan files stay on disk); the
+        next call with a signature loads its plan from disk or plans again."""
         with self._lock:
             self._steps.clear()
+            self.sources.clear()
 
-    def _planned(self, sig: Signature) -> PlannedStep:
+    def _planned(self, sig: Signature, state: Any) -> PlannedStep:
         with self._lock:
             step = self._steps.get(sig)
             if step is None:
                 if self.cluster is None:
                     self.cluster = Cluster.local()
-                state, batch = _abstract(sig)
-                plan = make_plan(self._fn, state, batch, cluster=self.cluster,
-                                 config=self.config)
+                config = self.config or PlanConfig()
+                # Planning sees ShapeDtypeStruct stand-ins: read the user's sharding
+                # annotations off the real state first.
+                annotations = (read_annotations(state, rules=config.axis_rules or None)
+                               if config.respect_annotations else None)
+                plan, self.sources[sig] = self._plan(sig, annotations)
                 step = apply_plan(self._fn, plan)
                 _check_devices(step, self.cluster)
                 self._steps[sig] = step
             return step
+
+    def _plan(self, sig: Signature, annotations: dict[str, Any] | None) -> tuple[Plan, str]:
+        """The plan of a signature, from disk when a matching file is there; else planned (and
+        written to disk)."""
+        assert self.cluster is not None
+        state, batch = _abstract(sig)
+        extra = {} if annotations is None else {"annotations": annotations}
+        if self.cache_dir is None:
+            return make_plan(self._fn, state, batch, cluster=self.cluster,
+                             config=self.config, **extra), "planned"
+        config = self.config or PlanConfig()
+        import shardplan
+
+        fingerprint = graph_fingerprint(trace(self._fn, state, batch))
+        key = hashlib.sha256("\n".join([
+            fingerprint, self.cluster.content_hash(), config.content_hash(),
+            shardplan.__version__, repr(sorted((annotations or {}).items()))]).encode()
+        ).hexdigest()[:24]
+        path = self.cache_dir / f"{getattr(self._fn, '__name__', 'step')}-{key}.json"
+        if path.exists():
+            try:
+                plan = load_plan(path)
+                if (plan.graph_fingerprint, plan.cluster_hash, plan.config_hash,
+                        plan.shardplan_version) == (fingerprint, self.cluster.content_hash(),
+                                                    config.content_hash(),
+                                                    shardplan.__version__):
+                    return plan, "disk"
+                reason = "it was made for another step, cluster or configuration"
+            except ShardplanError as exc:
+                reason = str(exc).splitlines()[0]
+            warnings.warn(f"sp.auto: the cached plan {path} is not usable ({reason}); "
+                          "planning again and overwriting it", ShardplanWarning, stacklevel=4)
+        plan = make_plan(self._fn, state, batch, cluster=self.cluster, config=self.config,
+                         **extra)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            plan.save(path)
+        except (OSError, ConfigError) as exc:
+            warnings.warn(f"sp.auto: cannot keep the plan on disk at {path} ({exc}); it is "
+                          "kept in memory only", ShardplanWarning, stacklevel=4)
+        return plan, "planned"
 
     def _split_args(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         if len(args) != 2 or kwargs:
@@ -182,7 +260,8 @@ class AutoStep:
 
 
 def _check_devices(step: PlannedStep, cluster: Cluster) -> None:
-    """Refuses a step whose mesh is not on the cluster's devices (never run elsewhere silently).
+    """Refuses a step whose meshes are not on the cluster's devices (never run elsewhere
+    silently).
 
     Plan device ids are the cluster's ids (``cluster.devices[i]``); a runtime that read them as
     indices into ``jax.devices()`` would put a cluster bound to ``jax.devices()[4:]`` on devices
@@ -190,31 +269,39 @@ def _check_devices(step: PlannedStep, cluster: Cluster) -> None:
     """
     if cluster.devices is None:
         return
-    stage = step.plan.stages[0]
-    want = [cluster.devices[i] for i in stage.mesh.device_ids]
-    got = list(step.mesh.devices.flat)
-    if got != want:
-        axes = dict(zip(stage.mesh.axis_names, stage.mesh.axis_sizes, strict=True))
-        raise PlanMismatchError(format_error(
-            "The planned step's mesh is not on the cluster's devices.",
-            where=f"stage 0 mesh {axes}",
-            value={"cluster": [str(d) for d in want], "mesh": [str(d) for d in got]},
-            remedy="bind the cluster to jax.devices()[:n] (e.g. sp.Cluster.local(devices="
-                   "jax.devices()[:4])) until apply_plan maps plan ids through cluster.devices"))
+    for index, mesh in step.meshes.items():
+        stage = step.plan.stages[index]
+        want = [cluster.devices[i] for i in stage.mesh.device_ids]
+        got = list(mesh.devices.flat)
+        if got != want:
+            axes = dict(zip(stage.mesh.axis_names, stage.mesh.axis_sizes, strict=True))
+            raise PlanMismatchError(format_error(
+                "The planned step's mesh is not on the cluster's devices.",
+                where=f"stage {index} mesh {axes}",
+                value={"cluster": [str(d) for d in want], "mesh": [str(d) for d in got]},
+                remedy="bind the cluster to jax.devices()[:n] (e.g. sp.Cluster.local(devices="
+                       "jax.devices()[:4])) until apply_plan maps plan ids through "
+                       "cluster.devices"))
+
+
+PathLike = str | os.PathLike[str]
 
 
 @overload
 def auto(fn: Callable[..., Any], /, *, cluster: Cluster | None = None,
-         config: PlanConfig | None = None) -> AutoStep: ...
+         config: PlanConfig | None = None, cache_dir: PathLike | None = None,
+         disk_cache: bool = True) -> AutoStep: ...
 
 
 @overload
 def auto(fn: None = None, /, *, cluster: Cluster | None = None,
-         config: PlanConfig | None = None) -> Callable[[Callable[..., Any]], AutoStep]: ...
+         config: PlanConfig | None = None, cache_dir: PathLike | None = None,
+         disk_cache: bool = True) -> Callable[[Callable[..., Any]], AutoStep]: ...
 
 
 def auto(fn: Callable[..., Any] | None = None, /, *, cluster: Cluster | None = None,
-         config: PlanConfig | None = None) -> AutoStep | Callable[[Callable[..., Any]], AutoStep]:
+         config: PlanConfig | None = None, cache_dir: PathLike | None = None,
+         disk_cache: bool = True) -> AutoStep | Callable[[Callable[..., Any]], AutoStep]:
     """Plans ``fn`` on its first call per input signature, caches the planned step, runs it.
 
     Each new signature (tree structure, shapes, dtypes and weak types of ``(state, batch)``)
@@ -227,11 +314,14 @@ def auto(fn: Callable[..., Any] | None = None, /, *, cluster: Cluster | None = N
       cluster: the cluster to plan for; None: ``sp.Cluster.local()`` (the devices jax sees),
         resolved at the first call so that decorating never starts a jax backend.
       config: planning options; None: ``sp.PlanConfig()`` defaults.
+      cache_dir: where plan files are kept; None: :func:`default_cache_dir`.
+      disk_cache: keep plans on disk and reuse them across processes (False: in memory only).
 
     Returns:
       An :class:`AutoStep` wrapping ``fn`` (``functools.wraps``): call it as
       ``step(state, batch)``; ``step.plan_for(state, batch)`` returns the plan,
-      ``step.plans`` the cached plans, ``step.cache_clear()`` forgets them. Without ``fn``, a
+      ``step.plans`` the cached plans (with the compiled and measured figures once run:
+      ``step.plans[0].report()``), ``step.cache_clear()`` forgets them. Without ``fn``, a
       decorator that makes one.
 
     Raises:
@@ -269,6 +359,8 @@ def auto(fn: Callable[..., Any] | None = None, /, *, cluster: Cluster | None = N
                 has_value=True,
                 remedy="use @sp.auto(cluster=...) above `def train_step(state, batch)`, or "
                        "sp.auto(train_step, cluster=...)"))
-        return AutoStep(fn, cluster=cluster, config=config)
+        directory = (Path(cache_dir) if cache_dir is not None else default_cache_dir()
+                     ) if disk_cache else None
+        return AutoStep(fn, cluster=cluster, config=config, cache_dir=directory)
 
     return wrap if fn is None else wrap(fn)

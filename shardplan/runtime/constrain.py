@@ -58,9 +58,7 @@ def constrained(fn: Callable[..., Any], args: Sequence[Any],
     """
     # Shapes and dtypes only: tracing committed, sharded arrays adds ``reshard`` equations the
     # planner's trace (of abstract arguments) does not have, which would shift the paths.
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(x, "weak_type", False)),
-        args)
+    abstract = jax.tree.map(_abstract_leaf, args)
     traced = jax.jit(fn).trace(*abstract)
     closed = traced.jaxpr
     out_tree = jax.tree.structure(traced.out_info)
@@ -77,6 +75,13 @@ def constrained(fn: Callable[..., Any], args: Sequence[Any],
         return jax.tree.unflatten(out_tree, outs)
 
     return run
+
+
+def _abstract_leaf(x: Any) -> jax.ShapeDtypeStruct:
+    """``x``'s shape, dtype and weak type; Python scalars too (flax's ``TrainState.create``
+    starts ``step`` at the int ``0``, which jax traces as a weakly typed ``int32[]``)."""
+    aval = jax.typeof(x)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
 
 
 def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], prefix: tuple[int, ...],

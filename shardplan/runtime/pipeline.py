@@ -38,7 +38,10 @@ whole on one stage between steps (each stage reads its rows from a full copy).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +51,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardplan._traceback import api_boundary
 from shardplan.errors import PipelineError, PlanMismatchError, format_error
 from shardplan.plan import Plan
 from shardplan.plan.plan import Layout, ReplicaSpec
@@ -60,6 +64,13 @@ from shardplan.runtime.partition import (
     virtual_stages,
 )
 from shardplan.runtime.spmd import leaf_shardings, stage_mesh
+from shardplan.runtime.verify import (
+    MEASURE_STEPS,
+    StepTimer,
+    check_arguments,
+    check_fits,
+    compiled_figures,
+)
 from shardplan.solver.pipeline import Schedule
 from shardplan.solver.simulate import device_order
 
@@ -166,10 +177,19 @@ class PipelinedStep:
     """A train step bound to a multi-stage or microbatched plan: call it like the original
     step (the module docstring)."""
 
-    def __init__(self, train_step: Callable[..., Any], plan: Plan) -> None:
+    def __init__(self, train_step: Callable[..., Any], plan: Plan, *, verify: bool = True,
+                 measure_steps: int = MEASURE_STEPS) -> None:
         self._step = train_step
         self.plan = plan
+        """The plan; once run, with XLA's figures per program (``compiled``) and, after the
+        timed steps, measured step and per-stage times (``measured``)."""
+        self._verify = verify
+        self._timer = StepTimer(measure_steps)
+        self._compiled: list[tuple[int, str, Any]] | None = None  # collected in the 1st call
+        self._seen: set[int] = set()
+        self._stage_busy: dict[int, float] | None = None  # per stage, in a clocked call
         self._meshes = {s.index: stage_mesh(plan, s.index) for s in plan.stages}
+        self.meshes = self._meshes
         self._mover = _Mover(self._meshes)
         # (a one-stage plan has no replica list: one replica of its stage)
         self._replicas = plan.replicas or (
@@ -291,7 +311,52 @@ class PipelinedStep:
                     placed[s, j] = jax.device_put(x, target)
         return placed
 
+    @api_boundary
+    def _run(self, prog: Program, name: str, args: list[Any]) -> Any:
+        """Runs one program; in the first call, compiles it first (checked against its
+        device's memory before it runs); in a clocked call, times it to completion."""
+        if self._compiled is not None and id(prog) not in self._seen:
+            self._seen.add(id(prog))
+            entry = (prog.stage, name, prog.fn.lower(*args).compile())
+            check_fits(self.plan, compiled_figures([entry]))
+            self._compiled.append(entry)
+        if self._stage_busy is None:
+            return prog.fn(*args)
+        start = time.perf_counter()
+        out = jax.block_until_ready(prog.fn(*args))
+        busy = self._stage_busy
+        busy[prog.stage] = busy.get(prog.stage, 0.0) + time.perf_counter() - start
+        return out
+
     def __call__(self, state: Any, batch: Any) -> Any:
+        first = self._ready is None
+        if first:
+            check_arguments(self.plan, state, batch)
+            if self._verify:
+                self._compiled = []
+        timer = self._timer
+        # The last timed step also clocks every program (waiting for each): per-stage busy
+        # times; it is left out of the step times.
+        clocked = timer.steps > 0 and len(timer.step_times_s) == timer.steps - 1 and timer.timing
+        if clocked:
+            self._stage_busy = {}
+        out, done = timer.run(lambda: self._call(state, batch))
+        if self._compiled is not None:
+            self.plan = dataclasses.replace(self.plan,
+                                            compiled=compiled_figures(self._compiled))
+            self._compiled = None
+        if clocked:
+            busy, self._stage_busy = self._stage_busy or {}, None
+            if done:
+                measured = timer.measured()
+                if len(timer.step_times_s) > 1:  # the clocked step waited on every program
+                    measured["step_time_s"] = statistics.median(timer.step_times_s[:-1])
+                    measured["steps"] -= 1
+                measured["stage_time_s"] = {str(st): t for st, t in sorted(busy.items())}
+                self.plan = dataclasses.replace(self.plan, measured=measured)
+        return out
+
+    def _call(self, state: Any, batch: Any) -> Any:
         total = sum(self._counts)
         parts = split_batch(batch, total, size=self.plan.microbatch_size or None)
         if self._ready is None:
@@ -347,7 +412,8 @@ class PipelinedStep:
                     args.append(fetch(("cut", what), avals["cut", what], prog.stage))
                 else:
                     args.append(fetch(what, what.aval, prog.stage))
-            outs = prog.fn(*args) if mover.here[prog.stage] else [None] * len(prog.outputs)
+            outs = (self._run(prog, f"update {prog.key}", args) if mover.here[prog.stage]
+                    else [None] * len(prog.outputs))
             for v, x in zip(prog.outputs, outs, strict=True):
                 store[v, prog.stage], made[v] = x, prog.stage
         leaves: list[Any] = []
@@ -393,7 +459,8 @@ class PipelinedStep:
             args = [placed[s, what] if kind == "state" else
                     (batches[s, j][what] if here else None) if kind == "batch" else
                     values.get(what, j, s, task.key) for kind, what in task.inputs]
-            outs = task.fn(*args) if here else [None] * len(task.outputs)
+            outs = (self._run(task, f"replica {r} task {task.key}", args) if here
+                    else [None] * len(task.outputs))
             for v, x in zip(task.outputs, outs, strict=True):
                 values.put(v, j, s, x)
             if here:

@@ -7,19 +7,29 @@ resharded between steps. Plan device ids index ``jax.devices()``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardplan._traceback import api_boundary
 from shardplan.errors import PipelineError, PlanMismatchError, format_error
 from shardplan.plan import Plan
 from shardplan.runtime.constrain import constrained, parse_path, partition_spec
+from shardplan.runtime.verify import (
+    MEASURE_STEPS,
+    StepTimer,
+    check_arguments,
+    check_fits,
+    compiled_figures,
+)
 
-__all__ = ["PlannedStep", "apply_plan", "leaf_shardings", "stage_mesh"]
+__all__ = ["PlannedStep", "apply_plan", "leaf_shardings", "stage_mesh", "state_shardings"]
 
 
 def stage_mesh(plan: Plan, index: int) -> jax.sharding.Mesh:
@@ -57,29 +67,44 @@ def leaf_shardings(tree: Any, specs: Any, mesh: jax.sharding.Mesh, what: str) ->
     return jax.tree_util.tree_map_with_path(one, tree)
 
 
-def _placed(tree: Any, shardings: Any) -> Any:
+def _placed(tree: Any, shardings: Any, *, donated: bool = False) -> Any:
     """``tree`` on ``shardings``; as it is when every leaf already is (the common case from the
-    second step on: ``device_put`` of a placed pytree still costs ~70 µs per leaf)."""
+    second step on: ``device_put`` of a placed pytree still costs ~70 µs per leaf).
+
+    With ``donated``, a leaf that has to move is copied first: ``device_put`` may hand the
+    caller's own buffer on as one shard of the result (one device to a replicated sharding, in
+    jax 0.10), and the donating call would then consume the caller's array.
+    """
     leaves = jax.tree.leaves(tree)
     targets = jax.tree.leaves(shardings)
     if len(leaves) == len(targets) and all(
             isinstance(x, jax.Array) and x.sharding == s for x, s in zip(leaves, targets,
                                                                         strict=True)):
         return tree
+    if donated:
+        tree = jax.tree.map(
+            lambda x, s: jnp.array(x, copy=True)
+            if isinstance(x, jax.Array) and x.sharding != s else x, tree, shardings)
     return jax.device_put(tree, shardings)
 
 
 class PlannedStep:
     """A train step bound to a plan: call it like the original step."""
 
-    def __init__(self, train_step: Callable[..., Any], plan: Plan) -> None:
+    def __init__(self, train_step: Callable[..., Any], plan: Plan, *, verify: bool = True,
+                 measure_steps: int = MEASURE_STEPS) -> None:
         if len(plan.stages) != 1:
             raise PipelineError(format_error(
                 "Only single-stage plans run here so far.", where="plan.stages",
                 value=len(plan.stages), remedy="use a single-mesh plan"))
         self._step = train_step
         self.plan = plan
+        """The plan; once run, with XLA's figures (``compiled``) and, after the timed steps,
+        the measured step time (``measured``): ``step.plan.report()`` shows them."""
         self.mesh = stage_mesh(plan, 0)
+        self.meshes = {0: self.mesh}
+        self._verify = verify
+        self._timer = StepTimer(measure_steps)
         self._jitted: Any = None
         self._shardings: Any = None
 
@@ -93,6 +118,7 @@ class PlannedStep:
 
     def _ensure(self, state: Any, batch: Any) -> None:
         if self._jitted is None:
+            check_arguments(self.plan, state, batch)
             state_sh, batch_sh, out_sh = self._shardings_for(state, batch)
             self._shardings = (state_sh, batch_sh)
             step = self._step
@@ -105,12 +131,25 @@ class PlannedStep:
             self._jitted = jax.jit(step, in_shardings=(state_sh, batch_sh),
                                    out_shardings=out_sh, donate_argnums=(0,))
 
+    @api_boundary
     def __call__(self, state: Any, batch: Any) -> Any:
+        first = self._jitted is None
         self._ensure(state, batch)
         state_sh, batch_sh = self._shardings
-        state = _placed(state, state_sh)
+        state = _placed(state, state_sh, donated=True)
         batch = _placed(batch, batch_sh)
-        return self._jitted(state, batch)
+        if first and self._verify:
+            # Compiling the placed arguments fills jit's cache: the call below runs this
+            # executable (compile count tested).
+            figures = compiled_figures([(0, "step", self._jitted.lower(state, batch).compile())])
+            check_fits(self.plan, figures)
+            self.plan = dataclasses.replace(self.plan, compiled=figures)
+        out, done = self._timer.run(lambda: self._jitted(state, batch))
+        if done:
+            measured = self._timer.measured()
+            measured["stage_time_s"] = {"0": measured["step_time_s"]}
+            self.plan = dataclasses.replace(self.plan, measured=measured)
+        return out
 
     def compiled(self, state: Any, batch: Any) -> tuple[jax.stages.Compiled, ...]:
         """The XLA executables this step runs (one per program)."""
@@ -118,15 +157,61 @@ class PlannedStep:
         return (self._jitted.lower(state, batch).compile(),)
 
 
-def apply_plan(train_step: Callable[..., Any], plan: Plan, /) -> PlannedStep:
+@api_boundary
+def apply_plan(train_step: Callable[..., Any], plan: Plan, /, *, verify: bool = True,
+               measure_steps: int = MEASURE_STEPS) -> PlannedStep:
     """Binds ``train_step`` to ``plan``; the result has ``train_step``'s signature.
 
     The state argument is donated, as in any training loop (``state = step(state, batch)``):
     the new state reuses its buffers, so a state already placed as the plan says cannot be
     read after the call (one that is placed by the call, e.g. a fresh one, is copied first).
+
+    Args:
+      train_step: ``(state, batch) -> (state, metrics)``.
+      plan: the plan (from :func:`~shardplan.make_plan` or a plan file).
+      verify: before the first step, compile the plan's programs, record XLA's memory, FLOPs
+        and collectives in ``step.plan.compiled`` and refuse a plan whose compiled memory
+        exceeds its devices (:func:`~shardplan.runtime.verify.check_fits`).
+      measure_steps: time this many steps after the first and record the median in
+        ``step.plan.measured`` (0: none). Timed steps wait for their results, so they do not
+        overlap the next step's dispatch.
+
+    Raises:
+      PlanMismatchError: at the first call, arguments of other shapes or dtypes than the plan
+        was made for (naming the leaves).
+      InfeasibleError: at the first call, a compiled program that does not fit its device.
     """
     if len(plan.stages) > 1 or plan.microbatches > 1:
         from shardplan.runtime.pipeline import PipelinedStep
 
-        return PipelinedStep(train_step, plan)  # type: ignore[return-value]
-    return PlannedStep(train_step, plan)
+        return PipelinedStep(train_step, plan, verify=verify,  # type: ignore[return-value]
+                             measure_steps=measure_steps)
+    return PlannedStep(train_step, plan, verify=verify, measure_steps=measure_steps)
+
+
+def state_shardings(plan: Plan, state: Any, /) -> Any:
+    """Per state leaf, where ``plan`` holds it between steps: the ``NamedSharding`` of its spec
+    on the mesh of its stage (``plan.param_specs``; in a pipelined plan, the first stage of
+    replica 0 that holds it, so leaves sit on different sub-meshes).
+
+    A restored checkpoint placed so starts the planned step without moving anything (a
+    pipelined step fetches each leaf from there to every other stage that reads it).
+
+    Raises:
+      PlanMismatchError: a leaf the plan has no spec for.
+    """
+    meshes: dict[int, jax.sharding.Mesh] = {}
+
+    def one(path: Any, leaf: Any) -> NamedSharding:
+        key = jax.tree_util.keystr(path, simple=True, separator="/")
+        if key not in plan.param_specs:
+            raise PlanMismatchError(format_error(
+                "The state has a leaf the plan does not know.", where=key,
+                value=getattr(leaf, "shape", None),
+                remedy="make the plan for this state and batch"))
+        stage, spec = plan.param_specs[key]
+        if stage not in meshes:
+            meshes[stage] = stage_mesh(plan, stage)
+        return NamedSharding(meshes[stage], partition_spec(spec))
+
+    return jax.tree_util.tree_map_with_path(one, state)

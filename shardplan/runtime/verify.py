@@ -1,14 +1,38 @@
-"""Checks a plan against what XLA compiles for it on the devices it is bound to."""
+"""Checks a plan against what XLA compiles for it, and measures how long its steps take.
+
+Before a planned step first runs, its programs are compiled and XLA's own figures read
+(:func:`compiled_figures`: per program, ``memory_analysis()``, FLOPs and the collectives in the
+optimized HLO); a program whose memory exceeds its device's capacity is refused
+(:func:`check_fits`) before anything runs. The figures go into the plan (``plan.compiled``),
+next to the prediction, and :meth:`~shardplan.plan.Plan.report` shows both; a
+:class:`StepTimer` then times the first steps and records them (``plan.measured``).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import statistics
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from shardplan.plan import Plan
-from shardplan.xla.report import MemoryReport
+import jax
 
-__all__ = ["compiled_memory"]
+from shardplan.cluster import Cluster
+from shardplan.cluster.catalog import load_device
+from shardplan.errors import ConfigError, InfeasibleError, format_error
+from shardplan.plan import Plan
+from shardplan.plan.match import check_plan_matches
+from shardplan.plan.summary import _format_bytes
+from shardplan.planner.single import graph_fingerprint
+from shardplan.planner.stamp import arg_types, cluster_info
+from shardplan.trace import trace
+from shardplan.xla.report import MemoryReport, read_compiled
+
+__all__ = ["MEASURE_STEPS", "StepTimer", "check_arguments", "check_fits", "check_plan",
+           "compiled_figures", "compiled_memory", "device_capacity"]
+
+MEASURE_STEPS = 10
+"""Steps timed after the first (which compiles) before ``plan.measured`` is recorded."""
 
 
 def compiled_memory(train_step: Callable[..., Any], plan: Plan, state: Any,
@@ -22,7 +46,158 @@ def compiled_memory(train_step: Callable[..., Any], plan: Plan, state: Any,
     from shardplan.runtime.spmd import apply_plan
 
     out = []
-    for compiled in apply_plan(train_step, plan).compiled(state, batch):
+    for compiled in apply_plan(train_step, plan, verify=False).compiled(state, batch):
         stats = compiled.memory_analysis()
         out.append(MemoryReport.from_stats(stats) if stats is not None else None)
     return tuple(out)
+
+
+def check_arguments(plan: Plan, state: Any, batch: Any) -> None:
+    """Raises :class:`~shardplan.errors.PlanMismatchError` naming the leaves whose shape or
+    dtype differ from what the plan was made for (a plan of another model or batch size)."""
+    check_plan_matches(plan, state_types=arg_types(state), batch_types=arg_types(batch))
+
+
+def check_plan(plan: Plan, train_step: Callable[..., Any], state: Any, batch: Any, /, *,
+               cluster: Cluster | None = None) -> None:
+    """Checks that ``plan`` was made for ``train_step`` on these arguments (and ``cluster``).
+
+    Traces the step (abstractly; ``state`` and ``batch`` may be ``ShapeDtypeStruct``s) and
+    compares the argument types, the op graph's fingerprint and layer count, and the cluster's
+    hash with what the plan records.
+
+    Raises:
+      PlanMismatchError: naming every difference found: a state or batch leaf of another shape
+        or dtype, added or missing; another layer count; a cluster with other devices.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, shardplan as sp
+      >>> step = lambda w, x: (w - 0.1 * jnp.mean(x @ w) * w, jnp.mean(x @ w))
+      >>> cluster = sp.Cluster.local(devices=jax.devices()[:1])
+      >>> w, x = jnp.zeros((4, 4)), jnp.ones((2, 4))
+      >>> plan = sp.make_plan(step, w, x, cluster=cluster)
+      >>> sp.check_plan(plan, step, w, x, cluster=cluster)  # the same: nothing raised
+    """
+    graph = trace(train_step, state, batch)
+    check_plan_matches(
+        plan, state_types=arg_types(state), batch_types=arg_types(batch),
+        graph_fingerprint=graph_fingerprint(graph), layer_count=len(graph.layers),
+        cluster_hash=cluster.content_hash() if cluster is not None else None,
+        cluster_info=cluster_info(cluster) if cluster is not None else None)
+
+
+def compiled_figures(programs: Sequence[tuple[int, str, jax.stages.Compiled]]) -> dict[str, Any]:
+    """XLA's figures per compiled program, as :attr:`Plan.compiled` keeps them.
+
+    Args:
+      programs: ``(stage index, program name, compiled)`` for every program a step runs.
+
+    Returns:
+      ``{"backend": ..., "programs": [{"stage", "name", "memory_bytes", "argument_bytes",
+      "output_bytes", "temp_bytes", "alias_bytes", "flops", "collectives"}]}``, bytes and FLOPs
+      per device; ``memory_bytes`` is ``argument + output + temp − alias`` (None where the
+      backend reports no memory).
+    """
+    out = []
+    for stage, name, compiled in programs:
+        report = read_compiled(compiled)
+        memory = report.memory
+        out.append({
+            "stage": stage, "name": name,
+            "memory_bytes": memory.peak_bytes if memory else None,
+            "argument_bytes": memory.argument_bytes if memory else None,
+            "output_bytes": memory.output_bytes if memory else None,
+            "temp_bytes": memory.temp_bytes if memory else None,
+            "alias_bytes": memory.alias_bytes if memory else None,
+            "flops": report.flops_loop_corrected,
+            "collectives": report.collective_summary(),
+        })
+    return {"backend": jax.default_backend(), "programs": out}
+
+
+def device_capacity(plan: Plan, stage: int) -> int | None:
+    """Memory of one device of ``plan.stages[stage]``: from the plan's cluster outline, else the
+    device catalog; None where neither knows the device type."""
+    name = plan.stages[stage].device_type
+    types: Any = plan.cluster_info.get("device_types", {})
+    if name in types:
+        return int(types[name]["memory_bytes"])
+    try:
+        return load_device(name).memory_bytes
+    except ConfigError:
+        return None
+
+
+def check_fits(plan: Plan, figures: dict[str, Any]) -> None:
+    """Raises :class:`~shardplan.errors.InfeasibleError` when a compiled program needs more
+    memory than one device of its stage has.
+
+    The message names the stage, the program, XLA's figure against the capacity and the
+    prediction, and a memory budget under which the planner would make a plan that fits (the
+    capacity less what the prediction missed).
+    """
+    for program in figures["programs"]:
+        stage, need = program["stage"], program["memory_bytes"]
+        capacity = device_capacity(plan, stage)
+        if need is None or capacity is None or need <= capacity:
+            continue
+        st = plan.stages[stage]
+        devices = st.mesh.device_ids
+        predicted = max((plan.predicted.memory_bytes.get(d, 0) for d in devices), default=0)
+        missed = max(need - predicted, 0)
+        budget = max(capacity - missed, 0)
+        raise InfeasibleError(format_error(
+            f"The compiled plan does not fit: program {program['name']!r} of stage {stage} "
+            f"needs {_format_bytes(need)} per device, one {st.device_type} has "
+            f"{_format_bytes(capacity)} (the plan predicted {_format_bytes(predicted)}).",
+            where=f"plan.stages[{stage}] ({st.device_type}, mesh {dict(st.mesh.shape)})",
+            value={"compiled_bytes": need, "capacity_bytes": capacity,
+                   "predicted_bytes": predicted},
+            remedy=f"plan again with sp.PlanConfig(memory_budget_bytes={budget}): the capacity "
+                   f"less the {missed} bytes the prediction missed here, so that a plan "
+                   "predicted within it fits once compiled; or use more devices"))
+
+
+class StepTimer:
+    """Times the steps after the first (which compiles) and, after ``steps`` of them, gives the
+    figures :attr:`Plan.measured` keeps (median step time; per stage, its median busy time
+    where the runtime reports one)."""
+
+    def __init__(self, steps: int = MEASURE_STEPS) -> None:
+        if not isinstance(steps, int) or steps < 0:
+            raise ConfigError(format_error(
+                "measure_steps must be an integer >= 0.", where="apply_plan(measure_steps=)",
+                value=steps, remedy="pass e.g. 10, or 0 to measure nothing"))
+        self.steps = steps
+        self.calls = 0
+        self.step_times_s: list[float] = []
+        self.stage_times_s: dict[int, list[float]] = {}
+
+    @property
+    def timing(self) -> bool:
+        """Whether the coming call is one to time (not the first, and not enough yet)."""
+        return self.calls >= 1 and len(self.step_times_s) < self.steps
+
+    def run(self, call: Callable[[], Any]) -> tuple[Any, bool]:
+        """Runs ``call()``, timed to completion when this call is one to time; returns its
+        result and whether the measurement just completed."""
+        timing = self.timing
+        self.calls += 1
+        if not timing:
+            return call(), False
+        start = time.perf_counter()
+        out = jax.block_until_ready(call())
+        self.step_times_s.append(time.perf_counter() - start)
+        return out, len(self.step_times_s) == self.steps
+
+    def add_stage_time(self, stage: int, seconds: float) -> None:
+        self.stage_times_s.setdefault(stage, []).append(seconds)
+
+    def measured(self, stage_steps: int = 0) -> dict[str, Any]:
+        """The figures, medians over the timed steps."""
+        out: dict[str, Any] = {"steps": len(self.step_times_s),
+                               "step_time_s": statistics.median(self.step_times_s)}
+        if self.stage_times_s:
+            out["stage_time_s"] = {str(s): sum(t) / max(stage_steps, 1)
+                                   for s, t in sorted(self.stage_times_s.items())}
+        return out

@@ -243,6 +243,7 @@ class InfeasibilityReport:
         (same floors), or ``None`` when none would.
       devices: per group, the devices there are.
       reason: a sentence.
+      remedy: what to change, where the reason has a specific one (else the general list).
     """
 
     memory_floor_bytes: tuple[float, ...]
@@ -250,6 +251,7 @@ class InfeasibilityReport:
     min_devices: tuple[int | None, ...]
     devices: tuple[int, ...]
     reason: str
+    remedy: str | None = None
 
     def message(self, names: tuple[str, ...]) -> str:
         lines = []
@@ -264,8 +266,8 @@ class InfeasibilityReport:
         return format_error(
             f"No pipeline plan is feasible: {self.reason}",
             where="PipelineProblem: " + "; ".join(lines),
-            remedy="add devices or memory, allow remat or smaller microbatches, more stages, "
-                   "or (cost objective) a lower min_throughput")
+            remedy=self.remedy or "add devices or memory, allow remat or smaller "
+                   "microbatches, more stages, or (cost objective) a lower min_throughput")
 
 
 class PipelineInfeasibleError(InfeasibleError):
@@ -294,9 +296,26 @@ def infeasibility_report(problem: PipelineProblem, /) -> InfeasibilityReport:
         minimum.append(_min_devices(problem, g, mb))
     fits = any(m is not None and m <= grp.count for m, grp in zip(minimum, problem.groups,
                                                                    strict=True))
+    remedy = None
+    n = len(problem.layers)
+    cuts = [(k, v) for v in problem.chunks for k in range(1, n // v + 1)
+            if n % (k * v) == 0 and not (problem.max_stages and k > problem.max_stages)]
     if not sizes:
         reason = (f"no candidate microbatch size in {problem.microbatch_sizes} divides the "
                   f"batch {problem.batch}")
+    elif set(problem.schedules) == {"interleaved"} and not cuts:
+        # Interleaving cuts the layers into stages x chunks equal parts (rule I).
+        why = ("every requested chunk count exceeds the layers" if min(problem.chunks) > n
+               else f"no (stages x chunks) divides {n}")
+        reason = (f"the interleaved schedule (the only one allowed) cuts the model's {n} "
+                  f"pipeline layers into (stages x chunks) equal parts, and with chunks "
+                  f"{list(problem.chunks)}"
+                  + (f" and max_stages {problem.max_stages}" if problem.max_stages else "")
+                  + f" no stage count does: {why}")
+        divisors = [v for v in range(2, n + 1) if n % v == 0]
+        remedy = ("allow the 1f1b or gpipe schedule (PlanConfig.schedules), or ask for "
+                  + (f"chunks that divide {n}: {divisors}" if divisors
+                     else "a model with more layers"))
     elif not fits:
         reason = "no group holds one replica of the model in memory"
     else:
@@ -304,7 +323,8 @@ def infeasibility_report(problem: PipelineProblem, /) -> InfeasibilityReport:
                   "(schedule memory, interleaving divisibility, max_stages, devices"
                   + (", min_throughput)" if problem.objective == "cost" else ")"))
     return InfeasibilityReport(tuple(floors), tuple(g.memory_bytes for g in problem.groups),
-                               tuple(minimum), tuple(g.count for g in problem.groups), reason)
+                               tuple(minimum), tuple(g.count for g in problem.groups), reason,
+                               remedy)
 
 
 def _min_devices(problem: PipelineProblem, g: int, mb: int) -> int | None:

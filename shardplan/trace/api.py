@@ -9,12 +9,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from shardplan._traceback import api_boundary
 from shardplan.errors import TraceError, format_error
 from shardplan.trace.flatten import FlatGraph, flatten_jaxpr, user_scope
 from shardplan.trace.graph import Layer, Op, OpGraph, Parameter, Phase, Role, Tensor
 from shardplan.trace.layers import POST, PRE, SHARED, LayerAssignment, assign_layers, fingerprint
 
-__all__ = ["trace"]
+__all__ = ["check_leaves", "trace"]
 
 _FORWARD_PHASES = ("forward", "recompute")
 
@@ -23,17 +24,35 @@ def _keystr(path: Sequence[Any]) -> str:
     return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
 
 
-def _check_leaves(args: tuple[Any, ...]) -> list[tuple[str, Any]]:
+def check_leaves(args: tuple[Any, ...], /,
+                 names: Sequence[str] | None = None) -> list[tuple[str, Any]]:
+    """The ``(key path, leaf)`` pairs of ``args``, every leaf an array, a scalar or a
+    ``jax.ShapeDtypeStruct`` (``None`` is an empty subtree, as everywhere in JAX).
+
+    Args:
+      args: the arguments, a tuple.
+      names: a name per argument for the message (``("state", "batch")``: the error names
+        ``state/blocks/0/name``); default ``argument <i>, key path ...``.
+
+    Raises:
+      TraceError: naming the key path and the type of the first leaf that is not an array.
+    """
     leaves = jax.tree_util.tree_flatten_with_path(args)[0]
     out = []
     for path, leaf in leaves:
         ok = isinstance(leaf, jax.ShapeDtypeStruct | jax.Array | np.ndarray | np.generic
                         | bool | int | float | complex)
         if not ok:
+            index = path[0].idx if hasattr(path[0], "idx") else None
+            key = _keystr(path[1:])
+            if names is not None and index is not None and index < len(names):
+                where = f"{names[index]}/{key}" if key else names[index]
+            else:
+                where = f"argument {index if index is not None else '?'}, key path " \
+                        f"{key or '<root>'}"
             raise TraceError(format_error(
                 "A leaf of the traced arguments is not an array.",
-                where=f"argument {path[0].idx if hasattr(path[0], 'idx') else '?'}, "
-                      f"key path {_keystr(path[1:]) or '<root>'}",
+                where=where,
                 value=f"{type(leaf).__name__}: {leaf!r}"[:200],
                 remedy="pass arrays or jax.ShapeDtypeStruct leaves only; keep Python objects "
                        "(strings, callables, configs) out of the state pytree, e.g. in a "
@@ -139,6 +158,7 @@ def module_path(path: str) -> str:
     return ".".join(comps)
 
 
+@api_boundary
 def trace(fn: Callable[..., Any], /, *args: Any, name: str | None = None) -> OpGraph:
     """Traces ``fn(*args)`` into an :class:`OpGraph`, abstractly (nothing is allocated).
 
@@ -162,7 +182,7 @@ def trace(fn: Callable[..., Any], /, *args: Any, name: str | None = None) -> OpG
       >>> g.total_flops()
       75.0
     """
-    leaves = _check_leaves(args)
+    leaves = check_leaves(args)
     try:
         traced = jax.jit(fn).trace(*args)
     except TraceError:

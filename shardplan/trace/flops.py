@@ -18,6 +18,8 @@ jax 0.10.2 (each rule below was checked on a one-equation function with array ar
 * cumulative ops (``cumsum`` ...): ``|output| · (axis length − 1)`` (XLA lowers them to a
   ``reduce-window`` over the whole prefix).
 * ``scatter-add`` / ``scatter-mul``: one FLOP per update element.
+* ``random_bits`` (threefry, partitionable as jax 0.10 defaults): ``(27 + 2 · rank)`` FLOPs per
+  element, one more for bit widths below 32, plus 10 (exact on ranks 1 to 4, 8 to 32 bits).
 * data movement (broadcast, reshape, transpose, slice, gather, concatenate, pad, iota, copy ...):
   zero.
 
@@ -78,6 +80,9 @@ _ARG_REDUCE_COMPARATOR_OPS = 9  # XLA's (value, index) comparator: compares, sel
 _CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
 _SCATTER_COMBINE = frozenset({"scatter-add", "scatter_add", "scatter-mul", "scatter_mul",
                               "scatter-min", "scatter_min", "scatter-max", "scatter_max"})
+_RANDOM_BITS_PER_ELEMENT = 27
+_RANDOM_BITS_PER_DIM = 2
+_RANDOM_BITS_KEY = 10
 _COMPOSITE = {
     # primitive: (flops per element, transcendentals per element), from the lowered HLO.
     "logistic": (3, 1),
@@ -183,6 +188,11 @@ def equation_cost(primitive: str, in_avals: Sequence[Any], out_avals: Sequence[A
         flops = out_elems * (in_avals[0].shape[axis] - 1) if in_avals else 0
     elif primitive in _SCATTER_COMBINE:
         flops = _size(in_avals[-1].shape) if in_avals else 0
+    elif primitive == "random_bits":
+        rank = len(out_avals[0].shape)
+        narrow = params.get("bit_width", 32) < 32
+        flops = (_RANDOM_BITS_PER_ELEMENT + _RANDOM_BITS_PER_DIM * rank + narrow) * out_elems
+        flops += _RANDOM_BITS_KEY
     elif primitive in ZERO_FLOP:
         flops = 0
     else:
@@ -198,4 +208,4 @@ def is_known_primitive(primitive: str) -> bool:
             or primitive in _REDUCTIONS or primitive in _ARG_REDUCTIONS
             or primitive in _CUMULATIVE or primitive in _SCATTER_COMBINE
             or primitive in _COMPOSITE
-            or primitive in ("dot_general", "conv_general_dilated"))
+            or primitive in ("dot_general", "conv_general_dilated", "random_bits"))

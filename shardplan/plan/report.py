@@ -1,0 +1,120 @@
+"""``plan.report()``: the prediction next to what XLA compiled and what the run measured.
+
+Rows per stage: peak memory per device, FLOPs per device, step (or busy) time; then the
+collectives per kind. A column reads ``-`` where nothing was recorded (a plan not yet run, a
+backend without memory figures). For a one-stage plan every figure compares like for like: the
+stage runs one program. A pipeline stage runs several programs (per task and microbatch) whose
+buffers the runtime holds across them, so its compiled column shows the largest single program
+and the FLOP sum of its programs over one microbatch each; that row is labelled so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from shardplan.plan.plan import Plan
+from shardplan.plan.summary import _format_bytes, _format_time
+
+__all__ = ["plan_report"]
+
+_ROW = "  {:<28} {:>16} {:>16} {:>16} {:>8}"
+
+
+def _num(x: float | None) -> str:
+    if x is None:
+        return "-"
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g} {unit}"
+    return f"{x:.3g}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    if a is None or b is None or not a:
+        return "-"
+    return f"{b / a:.3g}"
+
+
+def _bytes(x: float | None) -> str:
+    return "-" if x is None else _format_bytes(int(x))
+
+
+def _seconds(x: float | None) -> str:
+    return "-" if x is None else _format_time(float(x))
+
+
+def _programs(plan: Plan) -> dict[int, list[Mapping[str, Any]]]:
+    out: dict[int, list[Mapping[str, Any]]] = {}
+    programs: Any = plan.compiled.get("programs", ())
+    for prog in programs:
+        out.setdefault(int(prog["stage"]), []).append(prog)
+    return out
+
+
+def plan_report(plan: Plan, /) -> str:
+    """The text of :meth:`Plan.report` (at most 100 columns, no colour codes)."""
+    programs = _programs(plan)
+    measured: Mapping[str, Any] = plan.measured
+    stage_times: Mapping[str, Any] = measured.get("stage_time_s", {})
+    pipelined = len(plan.stages) > 1 or plan.microbatches > 1
+    lines = [f"Plan {plan.content_hash[:12]}: predicted | compiled | measured"]
+    backend = plan.compiled.get("backend")
+    lines.append(
+        f"  compiled: {sum(map(len, programs.values()))} program(s) on {backend}" if backend
+        else "  compiled: - (the plan has not run: sp.apply_plan / sp.auto record it)")
+    lines.append(f"  measured: median of {measured['steps']} steps" if measured
+                 else "  measured: - (recorded after the first timed steps)")
+    if pipelined and programs:
+        lines.append("  (pipeline stages run several programs: compiled memory is the largest")
+        lines.append("   one, compiled FLOPs the sum of the stage's programs for one microbatch)")
+    lines += ["", _ROW.format("", "predicted", "compiled", "measured", "ratio")]
+    lines.append("  memory per device (peak)")
+    for st in plan.stages:
+        predicted = max((plan.predicted.memory_bytes.get(d, 0) for d in st.mesh.device_ids),
+                        default=None)
+        figures = [p["memory_bytes"] for p in programs.get(st.index, ())
+                   if p["memory_bytes"] is not None]
+        compiled = max(figures) if figures else None
+        lines.append(_ROW.format(_stage(plan, st.index), _bytes(predicted), _bytes(compiled),
+                                 "", _ratio(predicted, compiled)))
+    lines.append("  FLOPs per device per step")
+    for st in plan.stages:
+        predicted_flops = (plan.predicted.stage_flops[st.index]
+                           if st.index < len(plan.predicted.stage_flops) else None)
+        flops = [float(p["flops"]) for p in programs.get(st.index, ())]
+        compiled_flops = sum(flops) if flops else None
+        lines.append(_ROW.format(_stage(plan, st.index), _num(predicted_flops),
+                                 _num(compiled_flops), "",
+                                 _ratio(predicted_flops, compiled_flops)))
+    lines.append("  step time")
+    lines.append(_ROW.format("whole step", _seconds(plan.predicted.step_time_s), "",
+                             _seconds(measured.get("step_time_s")),
+                             _ratio(plan.predicted.step_time_s, measured.get("step_time_s"))))
+    for st in plan.stages if pipelined else ():
+        lines.append(_ROW.format(f"{_stage(plan, st.index)} busy", "", "",
+                                 _seconds(stage_times.get(str(st.index))), ""))
+    lines.append("  collectives per device per step (count x bytes)")
+    compiled_coll: dict[str, list[int]] = {}
+    for progs in programs.values():
+        for prog in progs:
+            for kind, entry in prog["collectives"].items():
+                total = compiled_coll.setdefault(kind, [0, 0])
+                total[0] += int(entry["count"])
+                total[1] += int(entry["bytes"])
+    kinds = sorted(set(plan.predicted.collectives) | set(compiled_coll))
+    for kind in kinds:
+        p = plan.predicted.collectives.get(kind)
+        c = compiled_coll.get(kind)
+        lines.append(_ROW.format(
+            kind, f"{p['count']} x {_bytes(p['bytes'])}" if p else "-",
+            f"{c[0]} x {_bytes(c[1])}" if c else "-", "",
+            _ratio(p["bytes"] if p else None, c[1] if c else None)))
+    if not kinds:
+        lines.append("  (none predicted or compiled)")
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _stage(plan: Plan, index: int) -> str:
+    st = plan.stages[index]
+    return f"stage {index} ({st.device_type} x{st.mesh.num_devices})"

@@ -1,0 +1,226 @@
+"""``PlanConfig``: the options of :func:`~shardplan.planner.single.make_plan`, typed and
+checked, from keyword arguments or a mapping (a YAML file's section)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from shardplan.errors import ConfigError, did_you_mean, format_error
+from shardplan.solver.pipeline import REMATS, SCHEDULES, Remat, Schedule
+
+__all__ = ["PlanConfig", "conform"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanConfig:
+    """Options of :func:`make_plan`.
+
+    Attributes:
+      memory_budget_bytes: per-device bytes the state and batch may take (None: the device's
+        memory).
+      time_limit_s: the solver's limit per candidate mesh.
+      relative_gap: accept a sharding whose predicted cost is within this fraction of the
+        proven optimum (the LP bound); 1 % by default, above the 0.1 % tie-breaking salt.
+      tie_periods: layer-tying periods to try (1: every block alike; 2: alternating pairs).
+      max_mesh_axes: most logical mesh axes (see :mod:`shardplan.planner.mesh`; 3 makes
+        the problem about 17 times larger).
+      memory_headroom: the fraction of each device's memory kept free (for the framework,
+        fragmentation and what the model does not see) when ``memory_budget_bytes`` is None.
+      pipeline: ``None``: multi-stage plans (the stage planner) on clusters with several device
+        types, one mesh otherwise; ``True``: the stage planner on any cluster; ``False``: one
+        mesh (refused on clusters with several device types).
+      microbatch_sizes: candidate microbatch sizes in samples (empty: the powers of two that
+        divide the batch, and the batch); stage planner only.
+      schedules: pipeline schedules to consider (``gpipe``, ``1f1b``, ``interleaved``).
+      remats: rematerialisation policies to consider per stage (``none``, ``selective``,
+        ``full``).
+      chunks: model chunks per stage the interleaved schedule may use.
+      max_stages: most stages per replica (0: no limit).
+      objective: ``"time"`` (minimum step time) or ``"cost"`` (minimum dollars per step at
+        the catalog's prices, subject to ``min_throughput``).
+      min_throughput: the cost objective's floor in samples per second.
+      reference_microbatch: the microbatch size (samples) the layer cost tables are solved
+        at; inside a stage the batch is then not split (data parallelism runs across
+        replicas).
+      stage_time_limit_s: the stage planner's budget: past it, the best plan found so far is
+        returned with a proven lower bound (``plan.solver["status"] == "feasible"``, a
+        :class:`~shardplan.errors.ShardplanWarning` gives the gap); small problems finish
+        within it, proven optimal.
+      stage_work_limit: the stage planner's work budget (labels, states and sweep steps;
+        0, the default: none). A search cut by it returns the same plan on any machine
+        under any load (a search cut by the clock may not); the time limit stays the
+        safety net.
+      respect_annotations: place every state leaf the user annotated (``nnx.with_partitioning``,
+        ``nn.with_partitioning``, ``nn.with_logical_partitioning``) exactly as annotated, on a
+        mesh whose axes are the user's axis names (see
+        :mod:`shardplan.planner.annotations`); the rest is planned freely. One-mesh plans
+        only so far.
+      axis_rules: ``(logical name, mesh axis or None)`` pairs turning logical annotation
+        names into mesh axes, as ``flax.linen.logical_axis_rules`` takes them; their mesh
+        axes, in this order, are the mesh's first axes.
+      strict: refuse a step with primitives shardplan has no cost or sharding rule for
+        (:class:`~shardplan.errors.TraceError` naming each and its source line); ``False``
+        plans them with their operands and results replicated and warns
+        (:class:`~shardplan.errors.ShardplanWarning`).
+
+    Unknown keyword arguments are a :class:`~shardplan.errors.ConfigError` with a
+    did-you-mean; :meth:`from_dict` builds a config from a mapping (a YAML file's).
+    """
+
+    memory_budget_bytes: float | None = None
+    time_limit_s: float = 30.0
+    relative_gap: float = 0.01
+    tie_periods: tuple[int, ...] = (1, 2)
+    max_mesh_axes: int = 2
+    memory_headroom: float = 0.1
+    pipeline: bool | None = None
+    microbatch_sizes: tuple[int, ...] = ()
+    schedules: tuple[Schedule, ...] = SCHEDULES
+    remats: tuple[Remat, ...] = REMATS
+    chunks: tuple[int, ...] = (2,)
+    max_stages: int = 0
+    objective: Literal["time", "cost"] = "time"
+    min_throughput: float = 0.0
+    reference_microbatch: int = 1
+    stage_time_limit_s: float = 2.5
+    stage_work_limit: int = 0
+    respect_annotations: bool = False
+    axis_rules: tuple[tuple[str, str | None], ...] = ()
+    strict: bool = True
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> PlanConfig:
+        # dataclass's __init__ would raise a bare TypeError for an unknown keyword.
+        for key in kwargs:
+            if key not in _field_names():
+                raise _unknown_key(key, f"PlanConfig({key}=...)")
+        return super().__new__(cls)
+
+    @classmethod
+    def from_dict(cls, mapping: Mapping[str, Any], /, *,
+                  where: str = "PlanConfig") -> PlanConfig:
+        """A config from a mapping of field names to values, e.g. a YAML file's section.
+
+        Lists become tuples; every value is checked against the field's type.
+
+        Args:
+          mapping: field name -> value.
+          where: how messages name the mapping (e.g. ``"plan.yaml: config"``).
+
+        Raises:
+          ConfigError: an unknown key (with a did-you-mean), or a value of the wrong type
+            (naming the key path, the value and the type wanted).
+
+        Example:
+          >>> PlanConfig.from_dict({"time_limit_s": 5, "schedules": ["1f1b"]}).schedules
+          ('1f1b',)
+        """
+        if not isinstance(mapping, Mapping):
+            raise ConfigError(format_error(
+                "A plan config must be a mapping of option names to values.", where=where,
+                value=type(mapping).__name__, remedy=f"options: {', '.join(_field_names())}"))
+        hints = typing.get_type_hints(cls)
+        values = {}
+        for key, value in mapping.items():
+            if key not in _field_names():
+                raise _unknown_key(str(key), f"{where}.{key}")
+            ok, values[key] = conform(value, hints[key])
+            if not ok:
+                want = (hints[key].__name__ if isinstance(hints[key], type)
+                        else str(hints[key]).replace("typing.", ""))
+                raise ConfigError(format_error(
+                    f"PlanConfig option {key!r} must be of type {want}.",
+                    where=f"{where}.{key}", value=value, has_value=True,
+                    remedy=f"give a {want} (see the PlanConfig docstring)"))
+        return cls(**values)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.axis_rules, list | tuple) and all(
+                isinstance(r, list | tuple) for r in self.axis_rules):  # lists from JSON
+            object.__setattr__(self, "axis_rules", tuple(tuple(r) for r in self.axis_rules))
+        checks = [
+            ("memory_headroom", 0.0 <= self.memory_headroom < 1.0, "a fraction in [0, 1)"),
+            ("objective", self.objective in ("time", "cost"), "'time' or 'cost'"),
+            ("schedules", bool(self.schedules) and set(self.schedules) <= set(SCHEDULES),
+             f"a non-empty subset of {SCHEDULES}"),
+            ("remats", bool(self.remats) and set(self.remats) <= set(REMATS),
+             f"a non-empty subset of {REMATS}"),
+            ("chunks", all(isinstance(c, int) and c >= 2 for c in self.chunks),
+             "integers >= 2"),
+            ("microbatch_sizes", all(isinstance(m, int) and m >= 1
+                                     for m in self.microbatch_sizes), "positive integers"),
+            ("max_stages", isinstance(self.max_stages, int) and self.max_stages >= 0,
+             "an integer >= 0"),
+            ("min_throughput", self.min_throughput >= 0, "a number >= 0"),
+            ("reference_microbatch", isinstance(self.reference_microbatch, int)
+             and self.reference_microbatch >= 1, "an integer >= 1"),
+            ("stage_time_limit_s", self.stage_time_limit_s > 0, "a number of seconds > 0"),
+            ("stage_work_limit", isinstance(self.stage_work_limit, int)
+             and self.stage_work_limit >= 0, "an integer >= 0"),
+            ("respect_annotations", isinstance(self.respect_annotations, bool), "True or False"),
+            ("strict", isinstance(self.strict, bool), "True or False"),
+            ("axis_rules", isinstance(self.axis_rules, tuple) and all(
+                isinstance(r, tuple) and len(r) == 2 and isinstance(r[0], str)
+                and (r[1] is None or isinstance(r[1], str)) for r in self.axis_rules),
+             "(logical name, mesh axis or None) pairs"),
+        ]
+        for name, ok, want in checks:
+            if not ok:
+                raise ConfigError(format_error(
+                    f"PlanConfig.{name} must be {want}.", where=f"PlanConfig.{name}",
+                    value=getattr(self, name), remedy=f"pass {want}"))
+
+    def content_hash(self) -> str:
+        text = json.dumps(dataclasses.asdict(self), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@functools.cache
+def _field_names() -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(PlanConfig))
+
+
+def _unknown_key(key: str, where: str) -> ConfigError:
+    return ConfigError(format_error(
+        f"PlanConfig has no option {key!r}.", where=where, value=key,
+        remedy=f"{did_you_mean(key, _field_names())}options: {', '.join(_field_names())}"))
+
+
+def conform(value: Any, hint: Any, /) -> tuple[bool, Any]:
+    """Whether ``value`` is of type ``hint`` (lists taken for tuples), and the value as the
+    field holds it (tuples for lists, floats for ints)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        for option in args:
+            ok, out = conform(value, option)
+            if ok:
+                return True, out
+        return False, value
+    if origin is Literal:
+        return value in args and not isinstance(value, bool), value
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            return False, value
+        items = args[:1] * len(value) if len(args) == 2 and args[1] is Ellipsis else args
+        if len(items) != len(value):
+            return False, value
+        out = [conform(v, h) for v, h in zip(value, items, strict=True)]
+        return all(ok for ok, _ in out), tuple(v for _, v in out)
+    if hint is type(None):
+        return value is None, value
+    if hint is bool:
+        return isinstance(value, bool), value
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if hint is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        return ok, float(value) if ok else value
+    if hint is str:
+        return isinstance(value, str), value
+    return True, value  # a type this checker does not know: __post_init__ checks the value
