@@ -12,8 +12,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $@
 
+# Trains a small GPT on 8 CPU devices emulated as 4 A100 + 4 V100 (a fresh run each time).
 demo: $(VENV)/.installed
-	$(VENV)/bin/shardplan trace configs/models/gpt-tiny.yaml --batch 8
+	rm -rf runs/demo
+	$(VENV)/bin/shardplan train configs/train/demo.yaml
 
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check shardplan models tests benchmarks

@@ -362,3 +362,25 @@ def test_library_frames_are_hidden_from_tracebacks() -> None:
     # The wrapped entry points keep their names, docstrings and signatures.
     assert sp.make_plan.__name__ == "make_plan" and "Plans" in (sp.make_plan.__doc__ or "")
     assert "cluster" in inspect.signature(sp.make_plan).parameters
+
+
+def test_every_row_of_the_contract_names_tests_that_exist() -> None:
+    # docs/errors.md: each row's last cell names its tests (`file.py::test_name`, or a bare
+    # name in tests/test_errors.py, or in the file named before it in the same cell).
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    rows = [line for line in (root / "docs" / "errors.md").read_text().splitlines()
+            if re.match(r"\| \d+ \|", line)]
+    assert len(rows) >= 20
+    for row in rows:
+        cell = row.rstrip(" |").rsplit("|", 1)[-1]
+        names, current = [], "test_errors.py"
+        for file, name in re.findall(r"(?:(test_\w+\.py)::)?(test_\w+)", cell):
+            current = file or current
+            names.append((current, name))
+        assert names, row
+        for file, name in names:
+            text = (root / "tests" / file).read_text()
+            assert re.search(rf"^def {name}\(", text, re.M), (file, name)

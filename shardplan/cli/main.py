@@ -4,6 +4,7 @@ Subcommands:
   trace       trace a model's train step into an op graph and print its summary.
   calibrate   measure the local devices and write a calibrated device YAML.
   launch      run a command as N local processes of one jax.distributed job.
+  train       train a model as a YAML config says (plan, run, checkpoint, evaluate).
 """
 
 from __future__ import annotations
@@ -13,8 +14,12 @@ import dataclasses
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from shardplan.errors import ShardplanError
+
+if TYPE_CHECKING:
+    from shardplan.train.config import RunConfig
 
 __all__ = ["CalibrateConfig", "TraceConfig", "calibrate_main", "main", "trace_main"]
 
@@ -94,6 +99,53 @@ def calibrate_main(config: CalibrateConfig) -> int:
     return 0
 
 
+def _local_device_count(config: RunConfig) -> int | None:
+    """How many local devices the run's cluster section asks for (None: whatever jax has)."""
+    section = config.cluster
+    if section.local is not None:
+        return int(sum(section.local.types.values())) if section.local.types else None
+    if section.path:
+        from shardplan.cluster import Cluster
+
+        return Cluster.from_yaml(section.path).num_devices
+    return None
+
+
+def train_main(path: str, overrides: Sequence[str]) -> int:
+    """``shardplan train config.yaml [--section.key=value ...]``."""
+    import os
+
+    import jax
+
+    from shardplan.train.config import load_run_config
+
+    config = load_run_config(path, overrides)
+    from shardplan.runtime.distributed import NUM_PROCESSES, initialize_distributed
+
+    if os.environ.get(NUM_PROCESSES):
+        initialize_distributed()  # under `shardplan launch`: one process of the job
+    else:
+        wanted = _local_device_count(config)
+        if wanted and not os.environ.get("XLA_FLAGS", "").count("device_count"):
+            # On CPU the devices are emulated: make as many as the cluster has (a GPU
+            # backend ignores this).
+            jax.config.update("jax_num_cpu_devices", wanted)
+    from shardplan.train.loop import train
+
+    local = config.cluster.local
+    if jax.default_backend() == "cpu" and local is not None and local.types:
+        print("note: the device types are emulated on CPU devices; the plan is made for "
+              f"{dict(local.types)}, and CPU timings say nothing about them")
+    result = train(config, progress=sys.stderr.isatty())
+    first = result.val_losses.get(result.first_step)
+    last = result.val_losses.get(result.last_step)
+    line = f"trained steps {result.first_step}..{result.last_step} in {result.run_dir}"
+    if first is not None and last is not None:
+        line += f"; validation loss {first:.4f} -> {last:.4f} ({last / first:.0%} of the first)"
+    print(line)
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardplan", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -120,6 +172,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="CPU devices per process (default: jax's)")
     lp.add_argument("cmd", nargs=argparse.REMAINDER,
                     help="-- then the command, which calls shardplan.initialize_distributed()")
+    tp = sub.add_parser("train", help="train as a YAML config says (configs/train/*.yaml)")
+    tp.add_argument("config", help="the run's YAML file")
+    tp.add_argument("overrides", nargs=argparse.REMAINDER,
+                    help="dotted overrides, e.g. --train.steps=200 --output.dir=runs/x")
     return parser
 
 
@@ -139,6 +195,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
             return launch(cmd, args.nprocs, cpu_devices=args.cpu_devices)
+        if args.command == "train":
+            return train_main(args.config, args.overrides)
     except ShardplanError as e:
         print(f"shardplan {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,1 @@
+"""``shardplan train``: the pieces of a training run (checkpoints, ...) around a planned step."""

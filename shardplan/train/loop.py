@@ -1,0 +1,333 @@
+"""``shardplan train``: a config-driven training run over a planned step.
+
+One run: build the model and optimizer from the config, load the data, plan the step for the
+cluster (or load a plan file, checked against the step), bind it with :func:`sp.apply_plan`,
+resume from the latest checkpoint if there is one (restored straight into this plan's layout,
+whatever plan wrote it), then train: a progress bar with loss, tokens/s and ETA, evaluation
+every ``train.eval_every`` steps, ``metrics.jsonl``, checkpoints every
+``output.checkpoint_every`` steps and at the end, and a short text sample from the model.
+
+The run directory (``output.dir``) holds ``config.yaml`` (resolved: every default written
+out), ``plan.json`` (rewritten with XLA's compiled figures and the measured step times once
+recorded), ``report.txt`` (the plan's summary and predicted | compiled | measured),
+``metrics.jsonl`` and ``checkpoints/``.
+
+Batch ``k`` is a pure function of the data seed and ``k``, the optimizer's schedule counts in
+the state, and the checkpoint holds the state and the step: a run stopped at step ``n`` and
+resumed continues exactly as an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import models
+from shardplan.data import Dataset, abstract_batch, load_data
+from shardplan.errors import CheckpointError, ConfigError, RuntimeFailure, format_error
+from shardplan.plan import Plan, load_plan
+from shardplan.planner.single import make_plan
+from shardplan.runtime.spmd import apply_plan, state_shardings
+from shardplan.runtime.verify import check_plan
+from shardplan.train.checkpoint import Checkpointer, abstract_target
+from shardplan.train.config import RunConfig
+
+__all__ = ["RunResult", "train"]
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What a run did.
+
+    Attributes:
+      run_dir: the run directory.
+      first_step: the step the run started from (0, or the checkpoint it resumed).
+      last_step: the step it ended at.
+      losses: the training loss of each step it ran, in order.
+      val_losses: ``{step: validation loss}`` of each evaluation (the first at ``first_step``).
+      sample: the text sampled from the model at the end ("" when ``train.sample_tokens`` is 0).
+      plan: the plan it ran (with compiled and measured figures where recorded).
+      state: the state at ``last_step`` (as the planned step left it).
+    """
+
+    run_dir: Path
+    first_step: int
+    last_step: int
+    losses: tuple[float, ...]
+    val_losses: dict[int, float]
+    sample: str
+    plan: Plan
+    state: Any
+
+
+def _plan(
+    config: RunConfig, step: Callable[..., Any], state: Any, batch: Any, cluster: Any
+) -> Plan:
+    if config.plan.file:
+        plan = load_plan(config.plan.file)
+        check_plan(plan, step, state, batch, cluster=cluster)
+        return plan
+    return make_plan(step, state, batch, cluster=cluster, config=config.plan.config)
+
+
+def _forward(graphdef: nnx.GraphDef) -> Callable[[Any, jax.Array], jax.Array]:
+    """``logits(state, inputs)`` of the model in a split model+optimizer state."""
+
+    def logits(state: Any, inputs: jax.Array) -> jax.Array:
+        model, _ = nnx.merge(graphdef, state)
+        out, _ = model(inputs)  # [batch, seq, vocab]
+        return out.astype(jnp.float32)
+
+    return logits
+
+
+def _gathered(state: Any) -> Any:
+    """The state on one device, for evaluation and sampling outside the planned step (the
+    planned step's leaves may lie on several sub-meshes)."""
+    return jax.device_put(state, jax.devices()[0])
+
+
+def _evaluate(forward: Callable[..., Any], state: Any, dataset: Dataset, batches: int) -> float:
+    @jax.jit
+    def loss(state: Any, batch: Any) -> jax.Array:
+        logits = forward(state, batch["inputs"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+    local = _gathered(state)
+    values = [float(loss(local, dataset.val_batch(i))) for i in range(batches)]
+    return float(np.mean(values))
+
+
+def _sample(
+    forward: Callable[..., Any], state: Any, prompt: str, tokens: int, seq_len: int, seed: int
+) -> str:
+    """``tokens`` bytes sampled (temperature 0.8) after ``prompt``, the model reading the last
+    ``seq_len`` bytes."""
+    if tokens <= 0:
+        return ""
+
+    @jax.jit
+    def next_token(state: Any, window: jax.Array, key: jax.Array) -> jax.Array:
+        logits = forward(state, window[None])[0, -1]
+        return jax.random.categorical(key, logits / 0.8)
+
+    local = _gathered(state)
+    data = list(prompt.encode("utf-8")) or [ord("\n")]
+    key = jax.random.key(seed)
+    for _ in range(tokens):
+        window = data[-seq_len:]
+        window = [ord(" ")] * (seq_len - len(window)) + window
+        key, sub = jax.random.split(key)
+        data.append(int(next_token(local, jnp.asarray(window, jnp.int32), sub)))
+    return bytes(data[len(prompt.encode("utf-8")) :]).decode("utf-8", errors="replace")
+
+
+def _write_plan(run_dir: Path, plan: Plan) -> None:
+    plan.save(run_dir / "plan.json")
+    report = plan.summary() + "\n\n" + plan.report() + "\n"
+    (run_dir / "report.txt").write_text(report, encoding="utf-8")
+
+
+def train(
+    config: RunConfig, /, *, progress: bool = True, print_fn: Callable[[str], None] = print
+) -> RunResult:
+    """Runs the training ``config`` describes (module docstring).
+
+    Args:
+      config: the run's configuration.
+      progress: show a rich progress bar (off in tests and when output is not a terminal).
+      print_fn: where the run's messages go.
+
+    Returns:
+      A :class:`RunResult`.
+
+    Raises:
+      RuntimeFailure: the loss became NaN or infinite (names the step; the last checkpoint,
+        written before it, is kept).
+      CheckpointError: the run directory holds checkpoints of another model or data.
+      PlanMismatchError: ``plan.file`` was made for another step, batch or cluster.
+    """
+    if jax.process_count() > 1:
+        raise ConfigError(format_error(
+            "shardplan train runs in one process so far: its evaluation, sampling and logging "
+            "read state leaves that other processes hold.",
+            where=f"jax.process_count() = {jax.process_count()}",
+            remedy="run shardplan train without shardplan launch (one process drives all "
+                   "local devices); multi-process runs work through sp.apply_plan directly"))
+    run_dir = Path(config.output.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
+    model_config = config.model.build()
+    dataset = load_data(config.data, vocab_size=model_config.vocab_size)
+    cluster = config.cluster.build()
+    optimizer = config.optimizer_transform()
+    graphdef, state = models.init_train_state(
+        model_config, seed=config.train.seed, optimizer=optimizer
+    )
+    step_fn = models.make_train_step(graphdef)
+    abstract_state = jax.eval_shape(lambda: state)
+    plan = _plan(config, step_fn, abstract_state, abstract_batch(config.data), cluster)
+    _write_plan(run_dir, plan)
+    summary = plan.summary().splitlines()
+    cut = next((i for i, line in enumerate(summary) if "shardings" in line.lower()), None)
+    print_fn("\n".join(summary[:cut]).rstrip() + f"\n  (the whole plan: {run_dir}/report.txt)")
+    run = apply_plan(step_fn, plan, measure_steps=config.train.measure_steps)
+
+    checkpoints = Checkpointer(
+        run_dir / "checkpoints",
+        every_steps=config.output.checkpoint_every,
+        keep=config.output.keep_checkpoints,
+    )
+    meta = {
+        "data_fingerprint": dataset.fingerprint,
+        "model": model_config.name
+        if hasattr(model_config, "name")
+        else type(model_config).__name__,
+    }
+    first = 0
+    latest = checkpoints.latest_step() if config.output.resume else None
+    if latest is not None:
+        saved = checkpoints.read_meta(latest)
+        if saved.get("data_fingerprint") != dataset.fingerprint:
+            raise CheckpointError(
+                format_error(
+                    "The checkpoint was written for other training data (the data fingerprint "
+                    "differs), so resuming would not see the batches the run would have seen.",
+                    where=str(checkpoints.step_dir(latest)),
+                    value={"checkpoint": saved.get("data_fingerprint"), "now": dataset.fingerprint},
+                    remedy="use the data config the run started with, or another output.dir",
+                )
+            )
+        target = abstract_target(abstract_state, state_shardings(plan, abstract_state))
+        restored = checkpoints.restore(latest, target=target)
+        state, first = restored.state, restored.step
+        print_fn(f"resumed from step {first} ({checkpoints.step_dir(first)})")
+
+    forward = _forward(graphdef)
+    tokens_per_step = config.data.batch_size * config.data.seq_len
+    metrics_file = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
+    losses: list[float] = []
+    val_losses: dict[int, float] = {}
+
+    def log(record: dict[str, Any]) -> None:
+        metrics_file.write(json.dumps(record) + "\n")
+        metrics_file.flush()
+
+    def evaluate(step: int) -> None:
+        if config.data.val_batches and config.data.val_fraction > 0:
+            val_losses[step] = _evaluate(forward, state, dataset, config.data.val_batches)
+            log({"step": step, "val_loss": val_losses[step]})
+
+    progress_bar = _Progress(config.train.steps, first, enabled=progress)
+    measured_written = False
+    try:
+        evaluate(first)
+        start = time.perf_counter()
+        for step in range(first, config.train.steps):
+            state, metrics = run(state, dataset.train_batch(step))
+            loss = float(metrics["loss"])
+            if not math.isfinite(loss):
+                kept = checkpoints.latest_step()
+                raise RuntimeFailure(
+                    format_error(
+                        f"The loss became {loss} at step {step + 1}; the run stops (nothing of "
+                        "this step is saved).",
+                        where=f"step {step + 1}",
+                        value=loss,
+                        remedy=(
+                            f"the last checkpoint (step {kept}, {checkpoints.step_dir(kept)}) "
+                            "is kept: lower optimizer.learning_rate or raise warmup_steps, and "
+                            "run again to resume from it"
+                        )
+                        if kept is not None
+                        else "lower optimizer.learning_rate or raise optimizer.warmup_steps",
+                    )
+                )
+            losses.append(loss)
+            done = step + 1
+            elapsed = time.perf_counter() - start
+            tokens_per_s = tokens_per_step * (done - first) / max(elapsed, 1e-9)
+            log({"step": done, "loss": loss, "tokens_per_s": tokens_per_s, "time_s": elapsed})
+            progress_bar.update(done, loss, tokens_per_s)
+            if config.train.eval_every and done % config.train.eval_every == 0:
+                evaluate(done)
+            stopping = done == config.train.steps or done == config.train.stop_at
+            if checkpoints.should_save(done, final=stopping):
+                checkpoints.save(done, state, meta={**meta, "step": done})
+            if run.plan.measured and not measured_written:  # once the timed steps are done
+                _write_plan(run_dir, run.plan)
+                measured_written = True
+            if done == config.train.stop_at:
+                break
+        last = first + len(losses)
+        if last == config.train.steps and last not in val_losses:
+            evaluate(last)
+        sample = _sample(
+            forward,
+            state,
+            config.train.sample_prompt,
+            config.train.sample_tokens,
+            config.data.seq_len,
+            config.train.seed,
+        )
+    finally:
+        progress_bar.close()
+        checkpoints.close()
+        metrics_file.close()
+    _write_plan(run_dir, run.plan)
+    if sample:
+        print_fn(f"sample: {config.train.sample_prompt!r} -> {sample!r}")
+    return RunResult(run_dir, first, last, tuple(losses), val_losses, sample, run.plan, state)
+
+
+class _Progress:
+    """A rich progress bar: step, loss, tokens/s, ETA (nothing when disabled)."""
+
+    def __init__(self, total: int, completed: int, *, enabled: bool) -> None:
+        self._bar: Any = None
+        if not enabled:
+            return
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self._bar = Progress(
+            TextColumn("train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("{task.fields[tps]} tok/s"),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+        )
+        self._task = self._bar.add_task(
+            "train", total=total, completed=completed, loss="-", tps="-"
+        )
+        self._bar.start()
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        if self._bar is not None:
+            self._bar.update(
+                self._task, completed=step, loss=f"{loss:.4f}", tps=f"{tokens_per_s:,.0f}"
+            )
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()

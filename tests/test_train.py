@@ -1,0 +1,169 @@
+"""``shardplan train``: a run resumes exactly where it stopped (also after a SIGKILL during a
+checkpoint save, and on another plan), stops on a NaN loss keeping its checkpoint, and refuses
+another model's checkpoints.
+
+Runs are ``configs/train/tiny.yaml`` (gpt-tiny, a 64 KiB slice of the built-in corpus) on two
+CPU devices, a few steps each.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import shardplan as sp
+from shardplan.train.config import load_run_config
+from shardplan.train.loop import train
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "configs" / "train" / "tiny.yaml")
+STEPS = 6
+BASE = (f"--train.steps={STEPS}", "--train.eval_every=3", "--train.sample_tokens=0",
+        "--train.measure_steps=0", "--output.checkpoint_every=2",
+        "--cluster.local.types={cpu: 2}")
+
+
+def _config(run_dir: Path, *overrides: str):
+    return load_run_config(TINY, [*BASE, f"--output.dir={run_dir}", *overrides])
+
+
+def _run(run_dir: Path, *overrides: str):
+    return train(_config(run_dir, *overrides), progress=False, print_fn=lambda _: None)
+
+
+def _bit_equal(a, b) -> None:
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("whole"))
+
+
+_KILLED = textwrap.dedent("""
+    import sys, time
+    import jax
+    jax.config.update("jax_num_cpu_devices", 8)
+    from orbax.checkpoint._src.path import atomicity
+    from shardplan.train.config import load_run_config
+    from shardplan.train.loop import train
+
+    marker, stall_at, config, *overrides = sys.argv[1:]
+    finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+    async def stalled(self):
+        # Test hook: stop in the middle of this checkpoint's save, so that the parent's
+        # SIGKILL lands there every time.
+        if str(self.get()).endswith(stall_at):
+            open(marker, "w").close()
+            time.sleep(600)
+        return await finalize(self)
+
+    atomicity.AtomicRenameTemporaryPath.finalize = stalled
+    train(load_run_config(config, overrides), progress=False)
+    print("the run was not stopped", flush=True)
+""")
+
+
+def test_a_run_killed_while_saving_resumes_exactly_as_if_never_stopped(uninterrupted,
+                                                                       tmp_path) -> None:
+    # Checkpoints at steps 2, 4, 6: the run is killed (SIGKILL) in the middle of writing
+    # step 4's arrays. Step 2 stays the latest and loads; the run resumes from it and ends with
+    # the uninterrupted run's losses and state, bit for bit.
+    run_dir, marker = tmp_path / "run", tmp_path / "stalled"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.Popen(
+        [sys.executable, "-c", _KILLED, str(marker),
+         "4.orbax-checkpoint-tmp/state.orbax-checkpoint-tmp", TINY, *BASE,
+         f"--output.dir={run_dir}"], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), child.communicate(timeout=60)[0][-3000:]
+        os.kill(child.pid, signal.SIGKILL)
+        assert child.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert (run_dir / "checkpoints" / "4.orbax-checkpoint-tmp").is_dir()
+    resumed = _run(run_dir)
+    assert (resumed.first_step, resumed.last_step) == (2, STEPS)
+    assert resumed.losses == uninterrupted.losses[2:]
+    _bit_equal(resumed.state, uninterrupted.state)
+    # The metrics log holds both runs' lines: steps 1-4 before the kill, then 3-6.
+    steps = [r["step"] for r in map(json.loads, (run_dir / "metrics.jsonl").open())
+             if "loss" in r]
+    assert steps == [1, 2, 3, 4, 3, 4, 5, 6]
+
+
+def test_a_run_stopped_and_resumed_on_another_plan_continues_within_1e4(uninterrupted,
+                                                                        tmp_path) -> None:
+    # Steps 1-3 under the planner's one-mesh plan on 2 devices; steps 4-6 on a hand-made
+    # 2-stage pipeline over devices 0 and 1 (GPipe, 2 microbatches): the checkpoint is
+    # restored straight into the pipeline's per-stage layout.
+    run_dir = tmp_path / "run"
+    first = _run(run_dir, "--train.stop_at=3")
+    assert first.last_step == 3 and len(first.plan.stages) == 1
+    plan = first.plan
+    blocks = [name for name in plan.stages[0].layers if name.startswith("blocks.")]
+    assert len(blocks) == 2
+    replicated = {k: tuple(() for _ in spec) for k, (_, spec) in plan.param_specs.items()}
+    batch = {k: tuple(() for _ in spec) for k, spec in plan.batch_specs.items()}
+    stages = tuple(
+        sp.plan.Stage(i, "cpu", sp.plan.MeshSpec(("inner",), (1,), (i,)), layers, "none", 0,
+                      "cpu:inner=1")
+        for i, layers in enumerate([("pre", "blocks.0", "shared"),
+                                    ("blocks.1", "post", "shared")]))
+    from shardplan.plan.plan import Layout, ReplicaSpec
+
+    piped = dataclasses.replace(
+        plan, stages=stages, layouts={"cpu:inner=1": Layout(replicated, batch)},
+        param_specs={k: (0, spec) for k, spec in replicated.items()}, batch_specs={},
+        microbatches=2, microbatch_size=4, schedule="gpipe", replicas=(ReplicaSpec((0, 1), 2),),
+        constraints={}, predicted=dataclasses.replace(plan.predicted,
+                                                      memory_bytes={0: 1, 1: 1}))
+    piped.save(tmp_path / "piped.json")
+    second = _run(run_dir, f"--plan.file={tmp_path / 'piped.json'}")
+    assert (second.first_step, second.last_step) == (3, STEPS)
+    assert len(second.plan.stages) == 2
+    np.testing.assert_allclose(first.losses + second.losses, uninterrupted.losses,
+                               rtol=1e-4, atol=1e-4)
+    for x, y in zip(jax.tree.leaves(second.state), jax.tree.leaves(uninterrupted.state),
+                    strict=True):
+        np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64),
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_checkpoint(tmp_path) -> None:
+    # The warmup starts at 0: step 1 changes nothing, step 2 applies a learning rate of 5e29,
+    # and step 3's loss is NaN. The checkpoint of step 2 stays; nothing of step 3 is saved.
+    run_dir = tmp_path / "run"
+    with pytest.raises(sp.RuntimeFailure,
+                       match=r"(?s)loss became nan at step 3.*last checkpoint \(step 2"):
+        _run(run_dir, "--optimizer.learning_rate=1.0e+30", "--optimizer.warmup_steps=2",
+             "--optimizer.clip_norm=1.0e+30")
+    checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert checkpoints == ["2"]
+
+
+def test_another_models_checkpoints_are_refused_naming_the_leaf(uninterrupted) -> None:
+    wanted = (r"(?s)belongs to another model.*0/blocks/0/attn/k/kernel/value: checkpoint "
+              r"float32\[64,64\], target float32\[32,32\].*fix:")
+    with pytest.raises(sp.CheckpointError, match=wanted):
+        _run(uninterrupted.run_dir, "--model.overrides={d_model: 32}")
