@@ -24,6 +24,7 @@ __all__ = [
     "TraceError",
     "did_you_mean",
     "format_error",
+    "unknown_key",
 ]
 
 
@@ -60,6 +61,26 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """
     close = difflib.get_close_matches(word, list(choices), n=1)
     return f"did you mean {close[0]!r}? " if close else ""
+
+
+def unknown_key(key: object, known: Iterable[str], where: str, *,
+                owner: str = "") -> ConfigError:
+    """The error for an unknown ``key`` at ``where``, with a did-you-mean among ``known``.
+
+    Example:
+      >>> print(unknown_key("time_limit", ["time_limit_s"], "PlanConfig(time_limit=...)",
+      ...                   owner="PlanConfig"))
+      PlanConfig has no option 'time_limit'.
+        where: PlanConfig(time_limit=...)
+        value: 'time_limit'
+        fix:   did you mean 'time_limit_s'? options: time_limit_s
+    """
+    known = list(known)
+    what = f"{owner} has no option {key!r}." if owner else f"Unknown key {key!r}."
+    label = "options" if owner else "keys here"
+    return ConfigError(format_error(
+        what, where=where, value=key,
+        remedy=f"{did_you_mean(str(key), known)}{label}: {', '.join(known)}"))
 
 
 class ShardplanError(Exception):

@@ -13,7 +13,7 @@ import functools
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from shardplan.errors import ConfigError, did_you_mean, format_error
+from shardplan.errors import ConfigError, did_you_mean, format_error, unknown_key
 
 __all__ = ["DEFAULT_BUILTIN_BYTES", "SOURCES", "DataConfig", "Source"]
 
@@ -112,9 +112,7 @@ def _field_names() -> tuple[str, ...]:
 
 
 def _unknown_key(key: str, where: str) -> ConfigError:
-    return ConfigError(format_error(
-        f"DataConfig has no option {key!r}.", where=where, value=key,
-        remedy=f"{did_you_mean(key, _field_names())}options: {', '.join(_field_names())}"))
+    return unknown_key(key, _field_names(), where, owner="DataConfig")
 
 
 def _is_int(value: Any) -> bool:

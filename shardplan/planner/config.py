@@ -12,7 +12,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from shardplan.errors import ConfigError, did_you_mean, format_error
+from shardplan.errors import ConfigError, format_error, unknown_key
 from shardplan.solver.pipeline import REMATS, SCHEDULES, Remat, Schedule
 
 __all__ = ["PlanConfig", "conform"]
@@ -187,9 +187,7 @@ def _field_names() -> tuple[str, ...]:
 
 
 def _unknown_key(key: str, where: str) -> ConfigError:
-    return ConfigError(format_error(
-        f"PlanConfig has no option {key!r}.", where=where, value=key,
-        remedy=f"{did_you_mean(key, _field_names())}options: {', '.join(_field_names())}"))
+    return unknown_key(key, _field_names(), where, owner="PlanConfig")
 
 
 def conform(value: Any, hint: Any, /) -> tuple[bool, Any]:

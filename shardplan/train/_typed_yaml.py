@@ -15,13 +15,13 @@ import dataclasses
 import math
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from shardplan.errors import ConfigError, did_you_mean, format_error
+from shardplan.errors import ConfigError, did_you_mean, format_error, unknown_key
 from shardplan.planner.config import conform
 
 __all__ = [
@@ -106,18 +106,6 @@ def type_name(hint: Any) -> str:
 def join_key(where: str, key: object) -> str:
     """The key path of ``key`` under ``where`` (``""`` is the file's top level)."""
     return f"{where}.{key}" if where else str(key)
-
-
-def unknown_key(key: object, known: Sequence[str], where: str) -> ConfigError:
-    """The error for ``key`` at the key path ``where``, with a did-you-mean among ``known``."""
-    return ConfigError(
-        format_error(
-            f"Unknown key {key!r}.",
-            where=where,
-            value=key,
-            remedy=f"{did_you_mean(str(key), known)}keys here: {', '.join(known)}",
-        )
-    )
 
 
 def parse_floats(mapping: Mapping[str, Any], fields: Mapping[str, Any]) -> dict[str, Any]:
