@@ -1,9 +1,9 @@
 """``shardplan train``: a run resumes exactly where it stopped (also after a SIGKILL during a
-checkpoint save, and on another plan), stops on a NaN loss keeping its checkpoint, and refuses
-another model's checkpoints.
+checkpoint save), continues within 1e-4 on another plan (8-way data parallel -> a 2-stage
+pipeline), stops on a NaN loss keeping its checkpoint, and refuses another model's checkpoints.
 
-Runs are ``configs/train/tiny.yaml`` (gpt-tiny, a 64 KiB slice of the built-in corpus) on two
-CPU devices, a few steps each.
+Runs are ``configs/train/tiny.yaml`` (gpt-tiny, a 64 KiB slice of the built-in corpus), a few
+steps each, on two CPU devices (eight for the data-parallel plan).
 """
 
 from __future__ import annotations
@@ -112,36 +112,50 @@ def test_a_run_killed_while_saving_resumes_exactly_as_if_never_stopped(uninterru
     assert steps == [1, 2, 3, 4, 3, 4, 5, 6]
 
 
+def _plan_file(plan, path: Path, cluster, **changes) -> str:
+    """``plan`` changed as given, for ``cluster``, saved to ``path``."""
+    from shardplan.planner.stamp import cluster_info
+
+    dataclasses.replace(plan, cluster_hash=cluster.content_hash(),
+                        cluster_info=cluster_info(cluster), constraints={}, **changes).save(path)
+    return f"--plan.file={path}"
+
+
 def test_a_run_stopped_and_resumed_on_another_plan_continues_within_1e4(uninterrupted,
                                                                         tmp_path) -> None:
-    # Steps 1-3 under the planner's one-mesh plan on 2 devices; steps 4-6 on a hand-made
-    # 2-stage pipeline over devices 0 and 1 (GPipe, 2 microbatches): the checkpoint is
+    # Steps 1-3 data-parallel over 8 devices; steps 4-6 on a 2-stage GPipe pipeline over
+    # devices 0 and 1 (2 microbatches): the checkpoint written under the first plan is
     # restored straight into the pipeline's per-stage layout.
-    run_dir = tmp_path / "run"
-    first = _run(run_dir, "--train.stop_at=3")
-    assert first.last_step == 3 and len(first.plan.stages) == 1
-    plan = first.plan
-    blocks = [name for name in plan.stages[0].layers if name.startswith("blocks.")]
-    assert len(blocks) == 2
-    replicated = {k: tuple(() for _ in spec) for k, (_, spec) in plan.param_specs.items()}
-    batch = {k: tuple(() for _ in spec) for k, spec in plan.batch_specs.items()}
-    stages = tuple(
-        sp.plan.Stage(i, "cpu", sp.plan.MeshSpec(("inner",), (1,), (i,)), layers, "none", 0,
-                      "cpu:inner=1")
-        for i, layers in enumerate([("pre", "blocks.0", "shared"),
-                                    ("blocks.1", "post", "shared")]))
-    from shardplan.plan.plan import Layout, ReplicaSpec
+    from shardplan.plan.plan import Layout, MeshSpec, ReplicaSpec, Stage
 
-    piped = dataclasses.replace(
-        plan, stages=stages, layouts={"cpu:inner=1": Layout(replicated, batch)},
+    plan = uninterrupted.plan  # made for this step and batch (on 2 devices)
+    cluster = sp.Cluster.local(types={"cpu": 8})
+    replicated = {k: tuple(() for _ in spec) for k, (_, spec) in plan.param_specs.items()}
+    whole = {k: tuple(() for _ in spec) for k, spec in plan.batch_specs.items()}
+    split = {k: (("data",), *spec[1:]) for k, spec in whole.items()}
+    layers = plan.stages[0].layers
+    assert [n for n in layers if n.startswith("blocks.")] == ["blocks.0", "blocks.1"]
+    data_parallel = _plan_file(
+        plan, tmp_path / "dp.json", cluster,
+        stages=(Stage(0, "cpu", MeshSpec(("data",), (8,), tuple(range(8))), layers),),
+        param_specs={k: (0, spec) for k, spec in replicated.items()}, batch_specs=split,
+        predicted=dataclasses.replace(plan.predicted, memory_bytes=dict.fromkeys(range(8), 1)))
+    pipeline = _plan_file(
+        plan, tmp_path / "piped.json", cluster,
+        stages=tuple(Stage(i, "cpu", MeshSpec(("inner",), (1,), (i,)), part, "none", 0,
+                           "cpu:inner=1")
+                     for i, part in enumerate([("pre", "blocks.0", "shared"),
+                                               ("blocks.1", "post", "shared")])),
+        layouts={"cpu:inner=1": Layout(replicated, whole)},
         param_specs={k: (0, spec) for k, spec in replicated.items()}, batch_specs={},
         microbatches=2, microbatch_size=4, schedule="gpipe", replicas=(ReplicaSpec((0, 1), 2),),
-        constraints={}, predicted=dataclasses.replace(plan.predicted,
-                                                      memory_bytes={0: 1, 1: 1}))
-    piped.save(tmp_path / "piped.json")
-    second = _run(run_dir, f"--plan.file={tmp_path / 'piped.json'}")
+        predicted=dataclasses.replace(plan.predicted, memory_bytes={0: 1, 1: 1}))
+    run_dir, on_8 = tmp_path / "run", "--cluster.local.types={cpu: 8}"
+    first = _run(run_dir, on_8, data_parallel, "--train.stop_at=3")
+    assert first.last_step == 3 and first.plan.stages[0].mesh.shape == {"data": 8}
+    second = _run(run_dir, on_8, pipeline)
     assert (second.first_step, second.last_step) == (3, STEPS)
-    assert len(second.plan.stages) == 2
+    assert len(second.plan.stages) == 2 and second.plan.schedule == "gpipe"
     np.testing.assert_allclose(first.losses + second.losses, uninterrupted.losses,
                                rtol=1e-4, atol=1e-4)
     for x, y in zip(jax.tree.leaves(second.state), jax.tree.leaves(uninterrupted.state),
