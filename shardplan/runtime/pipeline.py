@@ -74,7 +74,7 @@ from shardplan.runtime.verify import (
 from shardplan.solver.pipeline import Schedule
 from shardplan.solver.simulate import device_order
 
-__all__ = ["PipelinedStep"]
+__all__ = ["PipelinedStep", "placeholder"]
 
 
 def _labels(step: Callable[..., Any], state: Any, batch: Any,
@@ -104,8 +104,9 @@ def _labels(step: Callable[..., Any], state: Any, batch: Any,
             {k: (rows, frozenset(leaves)) for k, (rows, leaves) in stacks.items()})
 
 
-def _placeholder(aval: Any, sharding: NamedSharding) -> jax.Array:
-    """An array of another process's devices: shape, dtype and sharding, no shards here."""
+def placeholder(aval: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+    """An array of another process's devices: shape, dtype and sharding, no shards here (what
+    a process holds for a value only other processes compute)."""
     def nothing(index: Any) -> np.ndarray:  # asked once, for no device, when replicated
         return np.broadcast_to(np.zeros((), aval.dtype), aval.shape)[index]
 
@@ -146,7 +147,7 @@ class _Mover:
         if not (self.here[src] or self.here[dst]):
             return None
         hop = (jax.device_put(x, self._hops[src]) if self.here[src]
-               else _placeholder(aval, self._hops[src]))
+               else placeholder(aval, self._hops[src]))
         landed = jax.device_put(hop, self._hops[dst])
         if self.here[dst]:
             # The receiver waits for the data: receives posted ahead of their senders hold the
@@ -431,7 +432,7 @@ class PipelinedStep:
                 x, s = cut[w[1]], ready.cut_at[w[1]]
             if x is None:
                 aval = jaxpr.outvars[n].aval
-                x = _placeholder(aval, ready.shardings[s][0][n]
+                x = placeholder(aval, ready.shardings[s][0][n]
                                  if n < n_state and w[0] != "cut" else mover.replicated(s))
             leaves.append(x)
             located.append(s)

@@ -18,6 +18,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from shardplan.runtime.pipeline import placeholder as runtime_placeholder
+
 __all__ = ["OwnedHandler", "OwnedRestore", "OwnedSave", "here", "one_process", "placeholder"]
 
 
@@ -42,11 +44,7 @@ def here(sharding: jax.sharding.Sharding) -> bool:
 
 def placeholder(target: jax.ShapeDtypeStruct) -> jax.Array:
     """A leaf of other processes' devices: shape, dtype and sharding, no shards here."""
-
-    def nothing(index: Any) -> np.ndarray:  # asked once, for no device, when replicated
-        return np.broadcast_to(np.zeros((), target.dtype), target.shape)[index]
-
-    return jax.make_array_from_callback(target.shape, target.sharding, nothing, dtype=target.dtype)
+    return runtime_placeholder(target, target.sharding)
 
 
 _BITS: dict[int, np.dtype[Any]] = {
