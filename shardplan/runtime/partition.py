@@ -124,21 +124,27 @@ def virtual_stages(stage_layers: Sequence[Sequence[str]], stage_ids: Sequence[in
 
 
 def _compile(jaxpr: Any, consts: Sequence[Any], eqns: Sequence[Any], inputs: Sequence[Any],
-             outputs: Sequence[Any], out_shardings: Any = None) -> Any:
+             outputs: Sequence[Any], out_shardings: Any = None,
+             donate: tuple[int, ...] = ()) -> Any:
     sub = jcore.Jaxpr(jaxpr.constvars, list(inputs), list(outputs), list(eqns),
                       debug_info=jaxpr.debug_info._replace(
                           arg_names=tuple(f"in{j}" for j in range(len(inputs))),
                           result_paths=tuple(f"out{j}" for j in range(len(outputs)))))
     fn = jcore.jaxpr_as_fun(jcore.ClosedJaxpr(sub, consts))
-    return jax.jit(fn) if out_shardings is None else jax.jit(fn, out_shardings=out_shardings)
+    if out_shardings is None:
+        return jax.jit(fn, donate_argnums=donate)
+    return jax.jit(fn, out_shardings=out_shardings, donate_argnums=donate)
 
 
 def _programs(jaxpr: Any, consts: Sequence[Any], eqns: Sequence[Any],
               groups: Sequence[tuple[int, int]], group_of: Sequence[int],
               sources: Mapping[Any, Input], keep: Callable[[Any, int], bool],
-              out_sharding: Callable[[Any, int], Any] | None = None) -> list[Program]:
+              out_sharding: Callable[[Any, int], Any] | None = None,
+              donate: Mapping[tuple[int, int], tuple[int, ...]] | None = None,
+              ) -> list[Program]:
     """One program per group ``(key, stage)`` of equations or items (``group_of``: each one's
-    group); ``keep(var, group)``: whether a value the group defines is an output."""
+    group); ``keep(var, group)``: whether a value the group defines is an output; ``donate``:
+    per group, the arguments its program donates."""
     out: list[Program] = []
     for g, (key, stage) in enumerate(groups):
         mine = [i for i in range(len(eqns)) if group_of[i] == g]
@@ -157,7 +163,8 @@ def _programs(jaxpr: Any, consts: Sequence[Any], eqns: Sequence[Any],
         plain = [eqns[i].eqn if isinstance(eqns[i], _Item) else eqns[i] for i in mine
                  if not isinstance(eqns[i], _Item) or eqns[i].kind == "eqn"]
         if len(plain) == len(mine):
-            fn = _compile(jaxpr, consts, plain, inputs, outputs, shardings)
+            fn = _compile(jaxpr, consts, plain, inputs, outputs, shardings,
+                          (donate or {}).get((key, stage), ()))
         else:
             fn = _interpreted([eqns[i] for i in mine], jaxpr.constvars, consts, inputs,
                               outputs)
@@ -479,11 +486,14 @@ def update_programs(split: StepSplit, read_at: Mapping[int, int], cut_at: Sequen
     # sharding, so that the next step finds them in place.
     leaf_of = {v: j for j, v in enumerate(jaxpr.outvars[:n_state])
                if _is_var(v) and v.aval.shape == jaxpr.invars[j].aval.shape}
-    programs = _programs(
-        jaxpr, split.update.consts, eqns, groups, group_of, sources,
-        lambda v, g: v in final or bool(group_readers.get(v, set()) - {g}),
-        lambda v, s: state_sharding(s, leaf_of[v]) if v in leaf_of and home[leaf_of[v]] == s
-        else None)
+    def build(donate: Mapping[tuple[int, int], tuple[int, ...]] | None) -> list[Program]:
+        return _programs(
+            jaxpr, split.update.consts, eqns, groups, group_of, sources,
+            lambda v, g: v in final or bool(group_readers.get(v, set()) - {g}),
+            lambda v, s: state_sharding(s, leaf_of[v]) if v in leaf_of and home[leaf_of[v]] == s
+            else None, donate)
+
+    programs = build(None)
     produced = {v: p.stage for p in programs for v in p.outputs}
     where: list[Any] = []
     for v in jaxpr.outvars:
@@ -493,4 +503,17 @@ def update_programs(split: StepSplit, read_at: Mapping[int, int], cut_at: Sequen
             where.append(("value", v, produced[v]))
         else:
             where.append(sources[v])
-    return programs, where, home
+    # A state leaf's copy on a stage is donated to the last update program there that reads
+    # it, unless the step returns the leaf unchanged: the new state reuses the old one's
+    # buffers, as in the one-program step (jit is lazy: building the programs again is free).
+    unchanged = {w[1] for w in where if w[0] == "state"}
+    last: dict[tuple[int, int], tuple[tuple[int, int], int]] = {}
+    for prog in programs:
+        for a, (kind, what) in enumerate(prog.inputs):
+            if kind == "state":
+                last[prog.stage, what] = ((prog.key, prog.stage), a)
+    donate: dict[tuple[int, int], tuple[int, ...]] = {}
+    for (_, j), (group, a) in last.items():
+        if j not in unchanged:
+            donate[group] = (*donate.get(group, ()), a)
+    return build(donate), where, home

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -308,8 +309,9 @@ class PipelinedStep:
                     placed[s, j] = None
                 elif isinstance(x, jax.Array) and x.sharding == target:
                     placed[s, j] = x
-                else:
-                    placed[s, j] = jax.device_put(x, target)
+                else:  # a copy: the update programs donate it (runtime/spmd.py `_placed`)
+                    placed[s, j] = jax.device_put(
+                        jnp.array(x, copy=True) if isinstance(x, jax.Array) else x, target)
         return placed
 
     @api_boundary
