@@ -98,12 +98,20 @@ def _gathered(state: Any) -> Any:
     return jax.device_put(state, jax.devices()[0])
 
 
-def _evaluate(forward: Callable[..., Any], state: Any, dataset: Dataset, batches: int) -> float:
+def _eval_loss(forward: Callable[..., Any]) -> Callable[[Any, Any], jax.Array]:
+    """The jitted mean cross-entropy of a batch (made once per run: each evaluation reuses
+    its compiled program)."""
+
     @jax.jit
     def loss(state: Any, batch: Any) -> jax.Array:
         logits = forward(state, batch["inputs"])
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
+    return loss
+
+
+def _evaluate(loss: Callable[[Any, Any], jax.Array], state: Any, dataset: Dataset,
+              batches: int) -> float:
     local = _gathered(state)
     values = [float(loss(local, dataset.val_batch(i))) for i in range(batches)]
     return float(np.mean(values))
@@ -215,6 +223,7 @@ def train(
         print_fn(f"resumed from step {first} ({checkpoints.step_dir(first)})")
 
     forward = _forward(graphdef)
+    eval_loss = _eval_loss(forward)
     tokens_per_step = config.data.batch_size * config.data.seq_len
     metrics_file = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
     losses: list[float] = []
@@ -226,7 +235,7 @@ def train(
 
     def evaluate(step: int) -> None:
         if config.data.val_batches and config.data.val_fraction > 0:
-            val_losses[step] = _evaluate(forward, state, dataset, config.data.val_batches)
+            val_losses[step] = _evaluate(eval_loss, state, dataset, config.data.val_batches)
             log({"step": step, "val_loss": val_losses[step]})
 
     progress_bar = _Progress(config.train.steps, first, enabled=progress)
