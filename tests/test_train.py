@@ -181,3 +181,46 @@ def test_another_models_checkpoints_are_refused_naming_the_leaf(uninterrupted) -
               r"float32\[64,64\], target float32\[32,32\].*fix:")
     with pytest.raises(sp.CheckpointError, match=wanted):
         _run(uninterrupted.run_dir, "--model.overrides={d_model: 32}")
+
+
+def test_two_processes_run_the_demo_config_as_the_unsharded_step(tmp_path) -> None:
+    # `shardplan launch --nprocs 2 -- shardplan train configs/train/demo.yaml --train.steps=5`:
+    # the demo's 5-stage plan over 2 processes x 4 CPU devices (the embedding's stage on the
+    # second, the blocks' on the first). Process 0 logs the losses, which equal the unsharded
+    # step's, and the checkpoint both processes wrote loads in this one process.
+    import models
+    from shardplan.data import load_data
+    from shardplan.train.checkpoint import Checkpointer, abstract_target
+
+    demo = str(ROOT / "configs" / "train" / "demo.yaml")
+    overrides = ["--train.steps=5", f"--output.dir={tmp_path / 'run'}",
+                 "--train.sample_tokens=4", "--data.val_batches=2"]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # 4 devices per process
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    cli = [sys.executable, "-m", "shardplan.cli.main"]
+    done = subprocess.run([*cli, "launch", "--nprocs", "2", "--", *cli, "train", demo,
+                           *overrides], env=env, timeout=600, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "[p0] trained steps 0..5" in done.stdout and "[p1] trained" not in done.stdout
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert [r["step"] for r in records if "val_loss" in r] == [0, 5]
+
+    config = load_run_config(demo, overrides)
+    graphdef, state = models.init_train_state(config.model.build(), seed=config.train.seed,
+                                              optimizer=config.optimizer_transform())
+    step = jax.jit(models.make_train_step(graphdef))
+    data = load_data(config.data, vocab_size=256)
+    reference = []
+    for k in range(5):
+        state, metrics = step(state, data.train_batch(k))
+        reference.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, reference, rtol=1e-4, atol=1e-4)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = abstract_target(state, jax.tree.map(lambda _: one, state))
+    with Checkpointer(tmp_path / "run" / "checkpoints", every_steps=1, keep=1) as checkpoints:
+        restored = checkpoints.restore(target=target)
+    assert restored.step == 5
+    for x, y in zip(jax.tree.leaves(restored.state), jax.tree.leaves(state), strict=True):
+        np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64),
+                                   rtol=1e-4, atol=1e-4)

@@ -5,6 +5,7 @@ Subcommands:
   calibrate   measure the local devices and write a calibrated device YAML.
   launch      run a command as N local processes of one jax.distributed job.
   train       train a model as a YAML config says (plan, run, checkpoint, evaluate).
+  show        print a saved plan in the terminal; with --html also write the HTML report.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from shardplan.errors import ShardplanError
 if TYPE_CHECKING:
     from shardplan.train.config import RunConfig
 
-__all__ = ["CalibrateConfig", "TraceConfig", "calibrate_main", "main", "trace_main"]
+__all__ = ["CalibrateConfig", "ShowConfig", "TraceConfig", "calibrate_main", "main",
+           "show_main", "trace_main"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,29 +122,79 @@ def train_main(path: str, overrides: Sequence[str]) -> int:
     from shardplan.train.config import load_run_config
 
     config = load_run_config(path, overrides)
-    from shardplan.runtime.distributed import NUM_PROCESSES, initialize_distributed
+    from shardplan.runtime.distributed import (
+        CPU_DEVICES,
+        NUM_PROCESSES,
+        initialize_distributed,
+    )
 
+    # On CPU the devices are emulated: make as many as the cluster has, split evenly over the
+    # processes under `shardplan launch` unless it was given --cpu-devices (a GPU backend
+    # ignores this).
+    wanted = _local_device_count(config)
+    if wanted and not os.environ.get("XLA_FLAGS", "").count("device_count"):
+        processes = int(os.environ.get(NUM_PROCESSES) or 1)
+        if processes > 1 and not int(os.environ.get(CPU_DEVICES) or 0):
+            if wanted % processes:
+                from shardplan.errors import ConfigError, format_error
+
+                raise ConfigError(format_error(
+                    "The cluster's devices do not split evenly over the processes.",
+                    where="cluster (shardplan launch --nprocs)",
+                    value={"devices": wanted, "processes": processes},
+                    remedy=f"launch a divisor of {wanted} processes, or give --cpu-devices"))
+            jax.config.update("jax_num_cpu_devices", wanted // processes)
+        elif processes == 1:
+            jax.config.update("jax_num_cpu_devices", wanted)
     if os.environ.get(NUM_PROCESSES):
         initialize_distributed()  # under `shardplan launch`: one process of the job
-    else:
-        wanted = _local_device_count(config)
-        if wanted and not os.environ.get("XLA_FLAGS", "").count("device_count"):
-            # On CPU the devices are emulated: make as many as the cluster has (a GPU
-            # backend ignores this).
-            jax.config.update("jax_num_cpu_devices", wanted)
     from shardplan.train.loop import train
 
     local = config.cluster.local
-    if jax.default_backend() == "cpu" and local is not None and local.types:
+    if jax.default_backend() == "cpu" and local is not None and local.types \
+            and jax.process_index() == 0:
         print("note: the device types are emulated on CPU devices; the plan is made for "
               f"{dict(local.types)}, and CPU timings say nothing about them")
+    main_process = jax.process_index() == 0
     result = train(config, progress=sys.stderr.isatty())
+    if not main_process:
+        return 0
     first = result.val_losses.get(result.first_step)
     last = result.val_losses.get(result.last_step)
     line = f"trained steps {result.first_step}..{result.last_step} in {result.run_dir}"
     if first is not None and last is not None:
         line += f"; validation loss {first:.4f} -> {last:.4f} ({last / first:.0%} of the first)"
     print(line)
+    return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ShowConfig:
+    """Options of ``shardplan show``.
+
+    Attributes:
+      plan: the plan file (``plan.save`` / ``shardplan train`` wrote it).
+      html: also write the self-contained HTML report here.
+      width: columns of the terminal view.
+    """
+
+    plan: str
+    html: str | None = None
+    width: int = 100
+
+
+def show_main(config: ShowConfig) -> int:
+    """Prints the terminal view of a saved plan (:mod:`shardplan.viz.terminal`), and with
+    ``config.html`` writes the HTML report and prints its path."""
+    from shardplan.plan import load_plan
+    from shardplan.viz.terminal import show
+
+    plan = load_plan(config.plan)
+    show(plan, width=config.width)
+    if config.html:
+        from shardplan.viz.html import write_html
+
+        print(f"wrote {write_html(plan, config.html)}")
     return 0
 
 
@@ -176,6 +228,11 @@ def _parser() -> argparse.ArgumentParser:
     tp.add_argument("config", help="the run's YAML file")
     tp.add_argument("overrides", nargs=argparse.REMAINDER,
                     help="dotted overrides, e.g. --train.steps=200 --output.dir=runs/x")
+    sh = sub.add_parser("show", help="print a saved plan; --html writes the HTML report")
+    sh.add_argument("plan", help="the plan's JSON file")
+    sh.add_argument("--html", default=None, metavar="REPORT.html",
+                    help="also write the self-contained HTML report to this file")
+    sh.add_argument("--width", type=int, default=100, help="columns (default 100)")
     return parser
 
 
@@ -197,6 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return launch(cmd, args.nprocs, cpu_devices=args.cpu_devices)
         if args.command == "train":
             return train_main(args.config, args.overrides)
+        if args.command == "show":
+            return show_main(ShowConfig(plan=args.plan, html=args.html, width=args.width))
     except ShardplanError as e:
         print(f"shardplan {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -156,6 +157,29 @@ class _Mover:
             # send (both processes then wait on each other).
             landed.block_until_ready()
         return jax.device_put(landed, sharding) if self.here[dst] else None
+
+
+STEP_BARRIER_TIMEOUT_S = 3600
+"""How long a process waits for the others at the end of a multi-process step."""
+
+
+_STEPS_ENDED = itertools.count()
+"""Multi-process steps run so far by this process (every process runs them in the same order,
+so the count names the same step everywhere)."""
+
+
+def _all_processes_at(key: str) -> None:
+    """Waits until every process reaches the barrier ``key`` (the coordination service's, not
+    a device collective).
+
+    A multi-process step ends here: once every process has passed it, every transfer of the
+    step has arrived, so a device collective that follows (a checkpoint's, the loss brought to
+    every process) cannot wait on a process that is still waiting for a send queued behind
+    that collective on the sender's devices (which deadlocks the CPU client).
+    """
+    from orbax.checkpoint import multihost
+
+    multihost.get_barrier_sync_fn()(key=key, timeout_ms=STEP_BARRIER_TIMEOUT_S * 1000)
 
 
 @dataclass(frozen=True)
@@ -386,7 +410,10 @@ class PipelinedStep:
                 if idx:
                     for i, x in zip(idx, _divided([sums[i] for i in idx], total), strict=True):
                         sums[i] = x
-        return self._update(ready, placed, sums)
+        out = self._update(ready, placed, sums)
+        if mover.multi:
+            _all_processes_at(f"shardplan-pipeline-step-{next(_STEPS_ENDED)}")
+        return out
 
     def _update(self, ready: _Prepared, placed: dict[tuple[int, int], Any],
                 cut: list[Any]) -> Any:

@@ -35,11 +35,12 @@ from flax import nnx
 
 import models
 from shardplan.data import Dataset, abstract_batch, load_data
-from shardplan.errors import CheckpointError, ConfigError, RuntimeFailure, format_error
+from shardplan.errors import CheckpointError, RuntimeFailure, format_error
 from shardplan.plan import Plan, load_plan
 from shardplan.planner.single import make_plan
 from shardplan.runtime.spmd import apply_plan, state_shardings
 from shardplan.runtime.verify import check_plan
+from shardplan.train._hosts import everywhere, from_main, is_main
 from shardplan.train.checkpoint import Checkpointer, abstract_target
 from shardplan.train.config import RunConfig
 
@@ -92,10 +93,19 @@ def _forward(graphdef: nnx.GraphDef) -> Callable[[Any, jax.Array], jax.Array]:
     return logits
 
 
-def _gathered(state: Any) -> Any:
-    """The state on one device, for evaluation and sampling outside the planned step (the
-    planned step's leaves may lie on several sub-meshes)."""
-    return jax.device_put(state, jax.devices()[0])
+def _gathered(state: Any, *, placed: bool) -> Any:
+    """The state on one device of this process, for evaluation and sampling outside the
+    planned step (the planned step's leaves may lie on several sub-meshes, and under several
+    processes on other processes' devices: every process then evaluates the same state).
+    ``placed``: whether the state is the planned step's (else each process has a copy: the
+    initial state, made alike on every process)."""
+    if placed and jax.process_count() > 1:
+        state = everywhere(state)
+    return jax.device_put(state, jax.local_devices()[0])
+
+
+def _quiet(_: str) -> None:
+    """Prints nothing (the processes other than process 0)."""
 
 
 def _eval_loss(forward: Callable[..., Any]) -> Callable[[Any, Any], jax.Array]:
@@ -111,15 +121,15 @@ def _eval_loss(forward: Callable[..., Any]) -> Callable[[Any, Any], jax.Array]:
 
 
 def _evaluate(loss: Callable[[Any, Any], jax.Array], state: Any, dataset: Dataset,
-              batches: int) -> float:
-    local = _gathered(state)
+              batches: int, *, placed: bool) -> float:
+    local = _gathered(state, placed=placed)
     values = [float(loss(local, dataset.val_batch(i))) for i in range(batches)]
     return float(np.mean(values))
 
 
 def _sample(
     forward: Callable[..., Any], state: Any, prompt: str, tokens: int, seq_len: int, seed: int
-) -> str:
+, *, placed: bool) -> str:
     """``tokens`` bytes sampled (temperature 0.8) after ``prompt``, the model reading the last
     ``seq_len`` bytes."""
     if tokens <= 0:
@@ -130,7 +140,7 @@ def _sample(
         logits = forward(state, window[None])[0, -1]
         return jax.random.categorical(key, logits / 0.8)
 
-    local = _gathered(state)
+    local = _gathered(state, placed=placed)
     data = list(prompt.encode("utf-8")) or [ord("\n")]
     key = jax.random.key(seed)
     for _ in range(tokens):
@@ -166,16 +176,13 @@ def train(
       CheckpointError: the run directory holds checkpoints of another model or data.
       PlanMismatchError: ``plan.file`` was made for another step, batch or cluster.
     """
-    if jax.process_count() > 1:
-        raise ConfigError(format_error(
-            "shardplan train runs in one process so far: its evaluation, sampling and logging "
-            "read state leaves that other processes hold.",
-            where=f"jax.process_count() = {jax.process_count()}",
-            remedy="run shardplan train without shardplan launch (one process drives all "
-                   "local devices); multi-process runs work through sp.apply_plan directly"))
     run_dir = Path(config.output.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
+    main = is_main()
+    if not main:  # under several processes, process 0 writes the files and prints
+        print_fn = _quiet
+    else:
+        (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
     model_config = config.model.build()
     dataset = load_data(config.data, vocab_size=model_config.vocab_size)
     cluster = config.cluster.build()
@@ -185,8 +192,13 @@ def train(
     )
     step_fn = models.make_train_step(graphdef)
     abstract_state = jax.eval_shape(lambda: state)
-    plan = _plan(config, step_fn, abstract_state, abstract_batch(config.data), cluster)
-    _write_plan(run_dir, plan)
+    # Solved (or loaded and checked) once, by process 0, so every process runs the same plan.
+    made = (_plan(config, step_fn, abstract_state, abstract_batch(config.data), cluster)
+            if main else None)
+    plan = made if made is not None and jax.process_count() == 1 else Plan.from_json(
+        from_main(made.to_json().encode() if made is not None else None).decode())
+    if main:
+        _write_plan(run_dir, plan)
     summary = plan.summary().splitlines()
     cut = next((i for i, line in enumerate(summary) if "shardings" in line.lower()), None)
     print_fn("\n".join(summary[:cut]).rstrip() + f"\n  (the whole plan: {run_dir}/report.txt)")
@@ -225,27 +237,32 @@ def train(
     forward = _forward(graphdef)
     eval_loss = _eval_loss(forward)
     tokens_per_step = config.data.batch_size * config.data.seq_len
-    metrics_file = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
+    metrics_file = (run_dir / "metrics.jsonl").open("a", encoding="utf-8") if main else None
     losses: list[float] = []
     val_losses: dict[int, float] = {}
 
     def log(record: dict[str, Any]) -> None:
+        if metrics_file is None:
+            return
         metrics_file.write(json.dumps(record) + "\n")
         metrics_file.flush()
 
     def evaluate(step: int) -> None:
         if config.data.val_batches and config.data.val_fraction > 0:
-            val_losses[step] = _evaluate(eval_loss, state, dataset, config.data.val_batches)
+            val_losses[step] = _evaluate(eval_loss, state, dataset, config.data.val_batches,
+                                         placed=placed)
             log({"step": step, "val_loss": val_losses[step]})
 
-    progress_bar = _Progress(config.train.steps, first, enabled=progress)
+    placed = latest is not None  # a restored state is in the plan's layout
+    progress_bar = _Progress(config.train.steps, first, enabled=progress and main)
     measured_written = False
     try:
         evaluate(first)
         start = time.perf_counter()
         for step in range(first, config.train.steps):
             state, metrics = run(state, dataset.train_batch(step))
-            loss = float(metrics["loss"])
+            placed = True
+            loss = float(everywhere(metrics["loss"]))  # held by the last stage's process
             if not math.isfinite(loss):
                 kept = checkpoints.latest_step()
                 raise RuntimeFailure(
@@ -274,7 +291,7 @@ def train(
             stopping = done == config.train.steps or done == config.train.stop_at
             if checkpoints.should_save(done, final=stopping):
                 checkpoints.save(done, state, meta={**meta, "step": done})
-            if run.plan.measured and not measured_written:  # once the timed steps are done
+            if main and run.plan.measured and not measured_written:  # after the timed steps
                 _write_plan(run_dir, run.plan)
                 measured_written = True
             if done == config.train.stop_at:
@@ -289,12 +306,15 @@ def train(
             config.train.sample_tokens,
             config.data.seq_len,
             config.train.seed,
+            placed=placed,
         )
     finally:
         progress_bar.close()
         checkpoints.close()
-        metrics_file.close()
-    _write_plan(run_dir, run.plan)
+        if metrics_file is not None:
+            metrics_file.close()
+    if main:
+        _write_plan(run_dir, run.plan)
     if sample:
         print_fn(f"sample: {config.train.sample_prompt!r} -> {sample!r}")
     return RunResult(run_dir, first, last, tuple(losses), val_losses, sample, run.plan, state)
