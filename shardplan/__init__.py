@@ -32,6 +32,7 @@ from shardplan.runtime.spmd import apply_plan as apply_plan
 from shardplan.runtime.verify import check_plan as check_plan
 from shardplan.trace import OpGraph as OpGraph
 from shardplan.trace import trace as trace
+from shardplan.viz.array import visualize as visualize
 
 __version__ = "0.1.0"
 
@@ -65,4 +66,5 @@ __all__ = [
     "load_plan",
     "make_plan",
     "trace",
+    "visualize",
 ]

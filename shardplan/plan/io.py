@@ -167,9 +167,30 @@ def _inline(value: object) -> str | None:
     return None
 
 
+def _items_over(value: object, limit: int) -> bool:
+    """Whether ``value`` holds more than ``limit`` keys and scalars (then it cannot fit one
+    line: each takes at least two columns); stops counting at the limit."""
+    count = 0
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            count += len(v)
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+        else:
+            count += 1
+        if count > limit:
+            return True
+    return False
+
+
 def _dump(value: object, level: int, column: int) -> str:
     """Canonical text of ``value`` starting at ``column`` on a line indented ``level`` times."""
-    one_line = _inline(value)
+    # Large lists and objects (a pipeline timeline's rows) never fit a line: rendering them
+    # inline first, at every level, made writing such a plan quadratic in its size.
+    one_line = None if value and _items_over(value, INLINE_WIDTH // 2) else _inline(value)
     # +1: the comma that may follow.
     if one_line is not None and (column + len(one_line) + 1 <= INLINE_WIDTH
                                  or _is_scalar(value) or not value):

@@ -387,7 +387,8 @@ def _solver(plan: Plan) -> list[str]:
     if "solve_time_s" in s and isinstance(s["solve_time_s"], int | float):
         head += f" in {float(s['solve_time_s']):.3g} s"
     # (runner-ups and per-leaf alternatives are Plan.explain()'s: one line says they are there)
-    skip = ("status", "solve_time_s", "chosen", "candidates", "runner_ups", "alternatives")
+    skip = ("status", "solve_time_s", "chosen", "candidates", "runner_ups", "alternatives",
+            "timeline")
     rest = [f"{k}={_format_value(v)}" for k, v in s.items() if k not in skip]
     lines = ["Solver"]
     lines += _pack(rest, f"  {head}: ", "    ") if rest else [f"  {head}"]

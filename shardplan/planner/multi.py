@@ -9,7 +9,9 @@ stage planner seeded with the data-parallel and Megatron plans, the final pick p
 the event simulator), places the stages on devices (:func:`allocate_devices`)
 and writes the :class:`~shardplan.plan.Plan`: stages with their replica, device type, devices,
 mesh, layers and remat; one *layout* (the intra-op shardings) per device group and sub-mesh;
-microbatches, schedule and the predicted figures.
+microbatches, schedule and the predicted figures; and the simulator's timeline of the step's
+pipeline phase (:func:`pipeline_timeline`, read back by
+:func:`shardplan.plan.timeline.timeline_events`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from shardplan.cluster.device import DeviceSpec
 from shardplan.cluster.link import Link as ClusterLink
 from shardplan.errors import ConfigError, format_error
 from shardplan.plan.plan import Layout, MeshSpec, Plan, Predicted, ReplicaSpec, Spec, Stage
+from shardplan.plan.timeline import TIMELINE_COLUMNS
 from shardplan.planner.alternatives import LAYOUT_BASIS, leaf_alternatives, pipeline_runner_ups
 from shardplan.planner.decode import decode_input_specs
 from shardplan.planner.layer_costs import LayerCosts
@@ -33,22 +36,34 @@ from shardplan.solver.pipeline import (
     SCHEDULES,
     DeviceGroup,
     Link,
+    PipelinePlan,
     PipelineProblem,
     Remat,
+    Replica,
     Schedule,
 )
 from shardplan.solver.portfolio import PipelineChoice, plan_pipeline
+from shardplan.solver.simulate import simulate
 from shardplan.trace.graph import OpGraph
 
 if TYPE_CHECKING:
     from shardplan.planner.single import PlanConfig
 
-__all__ = ["allocate_devices", "batch_size", "effective_matmul_flops_per_s",
-           "make_pipeline_plan", "memory_budget",
-           "microbatch_candidates", "microbatch_of", "pipeline_problem"]
+__all__ = ["TIMELINE_MAX_EVENTS", "allocate_devices", "batch_size",
+           "effective_matmul_flops_per_s", "make_pipeline_plan", "memory_budget",
+           "microbatch_candidates", "microbatch_of", "pipeline_problem", "pipeline_timeline"]
 
 _NO_LINK = Link(1.0, 0.0)
 """Stands in for the link between groups on a one-group cluster (never used there)."""
+
+TIMELINE_MAX_EVENTS = 4_000
+"""The most rows ``plan.solver["timeline"]`` stores. A row takes about 65 bytes of the plan
+file, so the timeline adds at most about 260 KB. When every replica's events are more, each
+distinct replica is listed once (``same_as``); when even those are more, only the first and
+the last ``window`` microbatches of each (the fill and the drain of the pipeline, with steady
+state on both sides); when even one of each is more, no timeline is stored and a note says so.
+(The stage planner simulates plans of at most
+:data:`~shardplan.solver.portfolio.SIMULATE_TASKS` compute tasks; larger ones have none.)"""
 
 
 def _link(link: ClusterLink) -> Link:
@@ -391,6 +406,16 @@ def _pipeline_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, costs: 
              "the microbatch size.",
              "Collective counts are not predicted for pipeline plans yet: see each layout's "
              "intra-op solution."]
+    if simulation is not None:  # the simulator played this plan: keep its timeline
+        played = time.perf_counter()
+        timeline = pipeline_timeline(problem, pp, replicas)
+        timings = {**timings, "timeline_s": time.perf_counter() - played}
+        if timeline is not None:
+            solver["timeline"] = timeline
+        else:
+            notes.append(f"The simulator's timeline is not stored (solver.timeline): over "
+                         f"{TIMELINE_MAX_EVENTS:,} events even with one microbatch at each "
+                         "end of each distinct replica.")
     return Plan(
         shardplan_version=_version(), graph_fingerprint=graph_fingerprint(graph),
         cluster_hash=cluster.content_hash(), config_hash=config.content_hash(),
@@ -401,6 +426,88 @@ def _pipeline_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, costs: 
                        for s, rep in zip(replicas, pp.replicas, strict=True)),
         layouts=layouts, predicted=predicted, solver=solver, notes=tuple(notes),
         timings={**timings, "plan_s": time.perf_counter() - start})
+
+
+def _timeline_rows(replica: Replica, chunks: int, window: int | None = None) -> int:
+    """The simulator's events of ``replica`` (:mod:`shardplan.solver.simulate`) of its first
+    and last ``window`` microbatches (all when ``None``): a forward and a backward per model
+    chunk per microbatch, and two transfers per hop between chunks."""
+    k, m = len(replica.stages), replica.microbatches
+    hops = k * chunks - 1 if k > 1 else 0
+    return (m if window is None else min(m, 2 * window)) * 2 * (k * chunks + hops)
+
+
+def _significant(seconds: float) -> float:
+    """``seconds`` to 6 significant digits (a microsecond of a step of seconds). The rounding
+    is monotone, so tasks that do not overlap still do not."""
+    return float(f"{seconds:.6g}")
+
+
+def pipeline_timeline(problem: PipelineProblem, plan: PipelinePlan,
+                      stage_indices: Sequence[Sequence[int]], /, *,
+                      max_events: int = TIMELINE_MAX_EVENTS) -> dict[str, Any] | None:
+    """The simulator's timeline of ``plan`` as the record ``Plan.solver["timeline"]`` holds
+    (``docs/plan-format.md``; :func:`shardplan.plan.timeline.timeline_events` reads it).
+
+    Args:
+      problem: the pipeline problem.
+      plan: a plan of it (the stage planner's).
+      stage_indices: per replica, the :class:`~shardplan.plan.plan.Stage` index of each of
+        its stages in pipeline order (``Plan.replicas[r].stages``).
+      max_events: the most rows to store.
+
+    Returns:
+      ``{"columns", "same_as", "window", "rows"}``: one row per event with the Plan's stage
+      indices and times to 6 significant digits, the first of these that fits in
+      ``max_events`` rows: every replica listed (``same_as[r] == r``, ``window`` ``None``);
+      each distinct replica once (``same_as[r]``: the earlier replica whose rows ``r``
+      repeats); those with only the first and the last ``window`` microbatches of each
+      replica, ``window`` as large as fits; ``None`` when not even ``window = 1`` fits.
+
+    Raises:
+      PipelineError: the plan breaks a structural constraint (as :func:`simulate`).
+    """
+    v = plan.chunks if plan.schedule == "interleaved" else 1
+    first: dict[Replica, int] = {}
+    twins = [first.setdefault(rep, r) for r, rep in enumerate(plan.replicas)]
+
+    def rows_of(same_as: list[int], window: int | None) -> int:
+        return sum(_timeline_rows(rep, v, window) for r, rep in enumerate(plan.replicas)
+                   if same_as[r] == r)
+
+    same_as, window = list(range(len(plan.replicas))), None
+    if rows_of(same_as, None) > max_events:
+        same_as = twins
+        if rows_of(twins, None) > max_events:
+            most = max(rep.microbatches for rep in plan.replicas)
+            window = next((w for w in range((most + 1) // 2, 0, -1)
+                           if rows_of(twins, w) <= max_events), None)
+            if window is None:
+                return None
+    # The planner's simulation kept no events: play the plan again, asking for them, but each
+    # distinct replica alone (replicas meet only in the all-reduce after the pipeline phase,
+    # simulate.py), which spares the simulator copying every twin's tasks.
+    distinct = sorted(first.values())
+    alone = dataclasses.replace(plan, replicas=tuple(plan.replicas[q] for q in distinct))
+    mb = plan.microbatch_size
+    events = simulate(dataclasses.replace(
+        problem, batch=mb * sum(rep.microbatches for rep in alone.replicas),
+        microbatch_sizes=(mb,)), alone, timeline=True).events
+    copies = [[r for r in range(len(plan.replicas)) if twins[r] == q and same_as[r] == r]
+              for q in distinct]
+    keyed = []
+    for e in events:
+        m = alone.replicas[e.replica].microbatches
+        if window is not None and window <= e.microbatch < m - window:
+            continue
+        for r in copies[e.replica]:
+            to = None if e.to_stage is None else stage_indices[r][e.to_stage]
+            keyed.append(((e.start_s, r, e.stage, e.kind, e.microbatch, e.chunk),
+                          [r, stage_indices[r][e.stage], e.kind, e.microbatch, e.chunk,
+                           _significant(e.start_s), _significant(e.end_s), to]))
+    keyed.sort(key=lambda pair: pair[0])  # the simulator's order over the whole plan
+    return {"columns": list(TIMELINE_COLUMNS), "same_as": same_as, "window": window,
+            "rows": [row for _, row in keyed]}
 
 
 def _first_holders(graph: OpGraph, stages: Sequence[Stage], first_replica: Sequence[int],

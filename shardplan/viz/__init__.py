@@ -1,0 +1,1 @@
+"""The plan visualizer: terminal (``shardplan show``) and a self-contained HTML report."""
