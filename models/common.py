@@ -28,6 +28,7 @@ __all__ = [
     "GeluMLP",
     "SwiGLU",
     "apply_rope",
+    "attention",
     "causal_attention",
     "make_blocks",
     "residual_init",
@@ -162,8 +163,10 @@ class CausalSelfAttention(nnx.Module):
         n_layers: int,
         dtype: Any = jnp.float32,
         param_dtype: Any = jnp.float32,
+        impl: str = "xla",
         rngs: nnx.Rngs,
     ) -> None:
+        self.impl = impl
         self.n_heads = n_heads
         self.n_kv_heads = n_kv_heads
         self.head_dim = d_model // n_heads
@@ -193,8 +196,34 @@ class CausalSelfAttention(nnx.Module):
         v = self.v(x).reshape(batch, seq, self.n_kv_heads, self.head_dim)  # [b, s, kv_heads, hd]
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = causal_attention(q, k, v)  # [batch, seq, heads, head_dim]
+        out = attention(q, k, v, impl=self.impl)  # [batch, seq, heads, head_dim]
         return self.o(out.reshape(batch, seq, self.n_heads * self.head_dim))  # [b, s, d_model]
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, impl: str = "xla") -> jax.Array:
+    """Causal attention computed as ``impl`` says (``ModelConfig.attention_impl``): ``"xla"``
+    (:func:`causal_attention`), ``"pallas"`` (:func:`shardplan.kernels.flash_attention`) or
+    ``"cudnn"`` (``jax.nn.dot_product_attention(implementation="cudnn")``, GPU only). Layouts
+    as :func:`causal_attention`.
+
+    Raises:
+      ConfigError: ``impl`` is unknown, or ``"cudnn"`` off a GPU.
+    """
+    if impl == "xla":
+        return causal_attention(q, k, v)
+    if impl == "pallas":
+        from shardplan.kernels import flash_attention
+
+        return flash_attention(q, k, v, causal=True)
+    if impl == "cudnn" and jax.default_backend() == "gpu":
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    from shardplan.errors import ConfigError, format_error
+
+    raise ConfigError(format_error(
+        "cuDNN attention needs a GPU." if impl == "cudnn" else "Unknown attention.",
+        where="model attention_impl", value=impl,
+        remedy="use attention_impl: xla or pallas here (cudnn runs on GPUs only)"
+        if impl == "cudnn" else "use one of xla, pallas, cudnn"))
 
 
 # ---------------------------------------------------------------------------------------------

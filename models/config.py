@@ -31,7 +31,9 @@ import yaml
 from shardplan.errors import ConfigError, format_error
 
 __all__ = [
+    "ATTENTION_IMPLS",
     "DTYPE_NAMES",
+    "MOE_IMPLS",
     "PRESETS_DIR",
     "GPTConfig",
     "LlamaConfig",
@@ -45,6 +47,13 @@ __all__ = [
 
 DTYPE_NAMES: tuple[str, ...] = ("float32", "bfloat16")
 """The dtype names a config accepts for ``dtype`` (compute) and ``param_dtype`` (storage)."""
+
+ATTENTION_IMPLS: tuple[str, ...] = ("xla", "pallas", "cudnn")
+"""The values :class:`ModelConfig` accepts for ``attention_impl`` (see
+:func:`models.common.attention`)."""
+
+MOE_IMPLS: tuple[str, ...] = ("dense", "ragged", "pallas")
+"""The values :class:`MoEConfig` accepts for ``moe_impl`` (see :class:`models.moe.MoEMLP`)."""
 
 PRESETS_DIR: Path = Path(__file__).resolve().parent.parent / "configs" / "models"
 """Where preset YAML files live: ``<repo root>/configs/models``."""
@@ -71,6 +80,11 @@ class ModelConfig(abc.ABC):
       param_dtype: storage dtype of the parameters.
       scan_layers: False stores the blocks as a list (``blocks/0/...``) applied in a Python loop;
         True stacks them (leading ``n_layers`` axis) and applies them with ``nnx.scan``.
+      attention_impl: how causal attention is computed: ``"xla"`` (einsums and a softmax over
+        the full scores), ``"pallas"`` (the flash-attention kernel
+        :func:`shardplan.kernels.flash_attention`, which the planner splits only on batch and
+        heads) or ``"cudnn"`` (``jax.nn.dot_product_attention(implementation="cudnn")``, GPU
+        only).
       name: the preset's name (set by :func:`load_model_config` from the file name), or None.
     """
 
@@ -85,6 +99,7 @@ class ModelConfig(abc.ABC):
     dtype: str = "float32"
     param_dtype: str = "float32"
     scan_layers: bool = False
+    attention_impl: str = "xla"
     name: str | None = None
 
     def __post_init__(self) -> None:
@@ -97,6 +112,12 @@ class ModelConfig(abc.ABC):
             "d_model",
             f"must be divisible by n_heads={self.n_heads}",
             f"pick d_model = n_heads * head_dim, e.g. {self.n_heads * 64}",
+        )
+        self._require(
+            self.attention_impl in ATTENTION_IMPLS,
+            "attention_impl",
+            f"is not a known attention{_did_you_mean(self.attention_impl, ATTENTION_IMPLS)}",
+            f"use one of {', '.join(ATTENTION_IMPLS)}",
         )
         for field in ("dtype", "param_dtype"):
             self._require(
@@ -286,6 +307,10 @@ class MoEConfig(LlamaConfig):
       top_k: experts each token is routed to.
       capacity_factor: slack of each expert's token slots over a perfectly even split.
       aux_loss_coef: weight of the Switch load-balancing loss in the training loss.
+      moe_impl: how the experts are computed; all three drop the same tokens and agree.
+        ``"dense"``: GShard one-hot dispatch/combine einsums over ``[experts, capacity]`` slots.
+        ``"ragged"``: tokens sorted by expert, ``jax.lax.ragged_dot``, scatter-add combine.
+        ``"pallas"``: the same with the Pallas kernel :func:`shardplan.kernels.grouped_matmul`.
 
     Example:
       >>> MoEConfig(vocab_size=256, max_seq_len=32, d_model=64, n_layers=2, n_heads=4,
@@ -299,6 +324,7 @@ class MoEConfig(LlamaConfig):
     top_k: int
     capacity_factor: float = 1.25
     aux_loss_coef: float = 0.01
+    moe_impl: str = "dense"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -315,6 +341,12 @@ class MoEConfig(LlamaConfig):
         )
         self._require(
             self.aux_loss_coef >= 0, "aux_loss_coef", "must be >= 0", "use e.g. 0.01 (Switch)"
+        )
+        self._require(
+            self.moe_impl in MOE_IMPLS,
+            "moe_impl",
+            f"is not a known expert computation{_did_you_mean(self.moe_impl, MOE_IMPLS)}",
+            f"use one of {', '.join(MOE_IMPLS)}",
         )
 
     def _mlp_params(self) -> int:

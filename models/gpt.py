@@ -50,6 +50,7 @@ class GPTBlock(nnx.Module):
             n_layers=config.n_layers,
             dtype=dtype,
             param_dtype=param_dtype,
+            impl=config.attention_impl,
             rngs=rngs,
         )
         self.ln2 = nnx.LayerNorm(d, rngs=rngs, **norm)

@@ -47,6 +47,7 @@ def llama_attention(config: LlamaConfig, *, rngs: nnx.Rngs) -> CausalSelfAttenti
         n_layers=config.n_layers,
         dtype=to_dtype(config.dtype),
         param_dtype=to_dtype(config.param_dtype),
+        impl=config.attention_impl,
         rngs=rngs,
     )
 

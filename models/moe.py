@@ -8,6 +8,13 @@ differentiable through the gates. The experts are stored as single stacked param
 ``w_gate, w_up [n_experts, d_model, d_ff]`` and ``w_down [n_experts, d_ff, d_model]`` applied with
 einsums over the expert axis, so expert parallelism is a sharding of that leading axis.
 
+``moe_impl`` chooses how the experts are computed once routing has decided which (token, expert)
+pairs are kept: ``"dense"`` (the dispatch/combine einsums above), ``"ragged"`` (the kept pairs
+sorted by expert, one ``jax.lax.ragged_dot`` per expert matrix, a scatter-add combine: no
+``[experts, capacity]`` padding) or ``"pallas"`` (the same with
+:func:`shardplan.kernels.grouped_matmul`). Routing and the capacity rule are shared, so the three
+drop the same tokens and give the same outputs.
+
 Example:
     >>> from flax import nnx
     >>> import jax.numpy as jnp
@@ -28,10 +35,19 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.common import INIT_STD, residual_init, to_dtype
-from models.config import MoEConfig, expert_capacity
+from models.config import MOE_IMPLS, MoEConfig, expert_capacity
 from models.llama import Llama, llama_attention, rms_norm
+from shardplan.errors import ConfigError, format_error
+from shardplan.kernels.grouped_matmul import grouped_matmul
 
-__all__ = ["MoE", "MoEBlock", "MoEMLP", "expert_capacity", "load_balancing_loss"]
+__all__ = [
+    "MoE",
+    "MoEBlock",
+    "MoEMLP",
+    "expert_capacity",
+    "load_balancing_loss",
+    "sorted_experts",
+]
 
 
 def load_balancing_loss(router_probs: jax.Array, expert_mask: jax.Array) -> jax.Array:
@@ -62,8 +78,52 @@ def load_balancing_loss(router_probs: jax.Array, expert_mask: jax.Array) -> jax.
     return n_experts * jnp.sum(fraction * mean_prob)
 
 
+def sorted_experts(
+    x: jax.Array,
+    chosen: jax.Array,
+    gates: jax.Array,
+    kept: jax.Array,
+    weights: tuple[jax.Array, jax.Array, jax.Array],
+    *,
+    matmul: Callable[[jax.Array, jax.Array, jax.Array], jax.Array],
+) -> jax.Array:
+    """SwiGLU experts on the kept (token, expert) pairs sorted by expert, with a grouped matmul.
+
+    Dispatch: the ``batch * seq * top_k`` pairs are stably sorted by expert, dropped pairs last
+    (they fall past ``sum(group_sizes)`` and get zero rows from ``matmul``); each pair's token row
+    is gathered. Combine: each expert output row, weighted by its gate, is scatter-added back to
+    its token. The sort keys are integers, so gradients flow through the gather, the grouped
+    matmuls, the gates and the scatter-add only.
+
+    Args:
+      x: tokens ``[batch, seq, d_model]`` in the compute dtype.
+      chosen: expert of each choice ``[batch, seq, top_k]`` (int).
+      gates: weight of each choice ``[batch, seq, top_k]`` (float32).
+      kept: whether the choice got a slot within its expert's capacity ``[batch, seq, top_k]``.
+      weights: ``(w_gate, w_up [experts, d_model, d_ff], w_down [experts, d_ff, d_model])``.
+      matmul: ``jax.lax.ragged_dot`` or :func:`shardplan.kernels.grouped_matmul`.
+
+    Returns:
+      ``[batch, seq, d_model]`` in ``x``'s dtype.
+    """
+    w_gate, w_up, w_down = weights
+    batch, seq, d_model = x.shape
+    n_experts, top_k = w_gate.shape[0], chosen.shape[-1]
+    expert = jnp.where(kept, chosen, n_experts).reshape(-1)  # [pairs]; n_experts = dropped
+    order = jnp.argsort(expert, stable=True)  # [pairs]
+    token = order // top_k  # [pairs]: the flat (batch * seq) token of each sorted pair
+    group_sizes = jax.nn.one_hot(expert, n_experts, dtype=jnp.int32).sum(axis=0)  # [experts]
+    x_sorted = x.reshape(batch * seq, d_model)[token]  # [pairs, d_model]
+    hidden = jax.nn.silu(matmul(x_sorted, w_gate, group_sizes))  # [pairs, d_ff]
+    hidden = hidden * matmul(x_sorted, w_up, group_sizes)  # [pairs, d_ff]
+    out = matmul(hidden, w_down, group_sizes)  # [pairs, d_model]; dropped pairs give 0
+    weight = jnp.where(kept, gates, 0.0).reshape(-1)[order].astype(x.dtype)  # [pairs]
+    y = jnp.zeros((batch * seq, d_model), x.dtype).at[token].add(out * weight[:, None])
+    return y.reshape(batch, seq, d_model)
+
+
 class MoEMLP(nnx.Module):
-    """A top-k routed mixture of SwiGLU experts with capacity and dense dispatch/combine.
+    """A top-k routed mixture of SwiGLU experts with capacity; dense or sorted (``moe_impl``).
 
     Routing groups are sequences: each expert takes at most :func:`expert_capacity` ``(seq)``
     tokens of each batch row. Slots are filled by priority (all tokens' first choices, in
@@ -82,6 +142,7 @@ class MoEMLP(nnx.Module):
       n_layers: depth of the model, for the residual-scaled init of ``w_down``.
       dtype: compute dtype; the router always computes in float32.
       param_dtype: parameter dtype.
+      moe_impl: ``"dense"``, ``"ragged"`` or ``"pallas"`` (see the module docstring).
       rngs: random streams for initialisation.
 
     Example:
@@ -102,8 +163,14 @@ class MoEMLP(nnx.Module):
         n_layers: int = 1,
         dtype: Any = jnp.float32,
         param_dtype: Any = jnp.float32,
+        moe_impl: str = "dense",
         rngs: nnx.Rngs,
     ) -> None:
+        if moe_impl not in MOE_IMPLS:
+            raise ConfigError(format_error(
+                "MoEMLP.moe_impl is not a known expert computation.", where="MoEMLP(moe_impl=...)",
+                value=moe_impl, remedy=f"use one of {', '.join(MOE_IMPLS)}"))
+        self.moe_impl = moe_impl
         self.n_experts = n_experts
         self.top_k = top_k
         self.capacity_factor = capacity_factor
@@ -147,6 +214,14 @@ class MoEMLP(nnx.Module):
         slot = jnp.cumsum(by_rank, axis=1) - 1  # [b, k * s, experts]
         slot = slot.reshape(batch, top_k, seq, n_experts).transpose(0, 2, 1, 3)  # [b,s,k,e]
         kept = (choice == 1) & (slot < capacity)  # [b, s, k, experts]
+        w_gate = jnp.asarray(self.w_gate[...], self.dtype)  # [experts, d_model, d_ff]
+        w_up = jnp.asarray(self.w_up[...], self.dtype)  # [experts, d_model, d_ff]
+        w_down = jnp.asarray(self.w_down[...], self.dtype)  # [experts, d_ff, d_model]
+        if self.moe_impl != "dense":
+            matmul = jax.lax.ragged_dot if self.moe_impl == "ragged" else grouped_matmul
+            y = sorted_experts(x, chosen, gates, kept.any(axis=3), (w_gate, w_up, w_down),
+                               matmul=matmul)
+            return y, aux_loss
         # The top-k experts of a token are distinct, so summing over k picks the one choice.
         token_slot = jnp.where(kept, slot, 0).sum(axis=2)  # [b, s, experts]
         token_kept = kept.any(axis=2)  # [b, s, experts]
@@ -156,9 +231,6 @@ class MoEMLP(nnx.Module):
         dispatch = dispatch * token_kept[..., None].astype(self.dtype)  # [b, s, e, capacity]
         combine = dispatch * token_gate[..., None].astype(self.dtype)  # [b, s, e, capacity]
 
-        w_gate = jnp.asarray(self.w_gate[...], self.dtype)  # [experts, d_model, d_ff]
-        w_up = jnp.asarray(self.w_up[...], self.dtype)  # [experts, d_model, d_ff]
-        w_down = jnp.asarray(self.w_down[...], self.dtype)  # [experts, d_ff, d_model]
         expert_in = jnp.einsum("bsec,bsd->becd", dispatch, x)  # [b, e, capacity, d_model]
         hidden = jax.nn.silu(jnp.einsum("becd,edf->becf", expert_in, w_gate))
         hidden = hidden * jnp.einsum("becd,edf->becf", expert_in, w_up)  # [b, e, capacity, d_ff]
@@ -183,6 +255,7 @@ class MoEBlock(nnx.Module):
             n_layers=config.n_layers,
             dtype=to_dtype(config.dtype),
             param_dtype=to_dtype(config.param_dtype),
+            moe_impl=config.moe_impl,
             rngs=rngs,
         )
 

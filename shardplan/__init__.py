@@ -4,6 +4,7 @@ The public API is re-exported here; see ``docs/architecture.md`` for the pipelin
 (trace -> cluster + cost -> solver -> plan -> runtime -> viz).
 """
 
+from shardplan import kernels as kernels
 from shardplan.cluster import Cluster as Cluster
 from shardplan.cluster import DeviceGroup as DeviceGroup
 from shardplan.cluster import DeviceSpec as DeviceSpec
@@ -63,6 +64,7 @@ __all__ = [
     "check_plan",
     "diff",
     "initialize_distributed",
+    "kernels",
     "load_plan",
     "make_plan",
     "trace",

@@ -44,6 +44,8 @@ from typing import Literal
 from shardplan.cluster import DeviceSpec
 from shardplan.cluster.device import canonical_dtype
 from shardplan.errors import ClusterError
+from shardplan.kernels.registry import PRIMITIVE as KERNEL
+from shardplan.kernels.registry import rule_for
 from shardplan.trace.graph import Op, OpGraph, Phase
 
 __all__ = [
@@ -74,7 +76,7 @@ Bound = Literal["compute", "memory"]
 MATMUL_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
 """Primitives that run on matrix units (tensor cores)."""
 
-KERNEL_PRIMITIVES = frozenset({"pallas_call"})
+KERNEL_PRIMITIVES = frozenset({"pallas_call", KERNEL})
 """Custom kernels: attention if their scope or source mentions :data:`ATTENTION_MARKERS`,
 otherwise matmul (the project's kernels are flash attention and grouped matmul)."""
 
@@ -178,6 +180,9 @@ def op_class(op: Op, /, parameters: Collection[int] = frozenset()) -> OpClass:
         >>> op_class(g.ops[0])
         'attention'
     """
+    if op.primitive == KERNEL:  # a shardplan kernel: its registered class
+        rule = rule_for(str(op.attrs.get("kernel", "")))
+        return "attention" if rule is not None and rule.op_class == "attention" else "matmul"
     if op.primitive in KERNEL_PRIMITIVES:
         return "attention" if _is_attention_kernel(op) else "matmul"
     if op.primitive not in MATMUL_PRIMITIVES:

@@ -23,6 +23,8 @@ import math
 from collections.abc import Sequence
 from typing import Literal
 
+from shardplan.kernels.registry import PRIMITIVE as KERNEL
+from shardplan.kernels.registry import factor_sizes, parse_layout, rule_for
 from shardplan.trace.graph import Op, OpGraph
 
 __all__ = ["Factor", "OpRule", "op_rule"]
@@ -286,12 +288,37 @@ def _broadcastable(shape: tuple[int, ...], ref: tuple[int, ...]) -> bool:
                                                                             strict=True))
 
 
+def _kernel(b: _Builder, op: Op, ins: list[tuple[int, ...]], outs: list[tuple[int, ...]]
+            ) -> OpRule:
+    """A shardplan kernel: its registered layouts (:mod:`shardplan.kernels.registry`); the
+    letters it may split are ``pass`` (or ``reduce``) factors, every other one is fixed."""
+    rule = rule_for(str(op.attrs.get("kernel", "")))
+    if rule is None:  # not a kernel shardplan knows: nothing of it may be split
+        return b.rule([b.fixed_dims(s) for s in ins], [b.fixed_dims(s) for s in outs])
+    operand_layouts, result_layouts = rule.layouts(len(ins))
+    sizes = factor_sizes([*operand_layouts, *result_layouts], [*ins, *outs])
+    ids: dict[str, int] = {}
+    for letter, size in sizes.items():
+        if size > 1:
+            kind: FactorKind = ("pass" if letter in rule.split else
+                                "reduce" if letter in rule.reduce else "fixed")
+            ids[letter] = b.new(size, kind)
+
+    def dims(layout: str) -> Dims:
+        return tuple(tuple(ids[x] for x in letters if x in ids)
+                     for letters in parse_layout(layout))
+
+    return b.rule([dims(x) for x in operand_layouts], [dims(x) for x in result_layouts])
+
+
 def op_rule(graph: OpGraph, op: Op) -> OpRule:
     """The factor rule of ``op`` (see the module docstring)."""
     ins = [_shape(graph, t) for t in op.inputs]
     outs = [_shape(graph, t) for t in op.outputs]
     b = _Builder()
     p = op.primitive
+    if p == KERNEL:
+        return _kernel(b, op, ins, outs)
     if p == "dot_general" and len(ins) == 2:
         return _dot(b, op, ins)
     if p in _REDUCE and ins:

@@ -25,6 +25,9 @@ from jax.extend import core as jex_core
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardplan.errors import RuntimeFailure, format_error
+from shardplan.kernels.registry import PREFIX as KERNEL_PREFIX
+from shardplan.kernels.registry import recorded
 from shardplan.plan.plan import Spec
 from shardplan.trace.flatten import call_like_jaxpr
 
@@ -77,6 +80,51 @@ def constrained(fn: Callable[..., Any], args: Sequence[Any],
     return run
 
 
+def literal_in(eqn: Any) -> bool:
+    """Whether an operand of ``eqn`` is a literal."""
+    return any(isinstance(v, jex_core.Literal) for v in eqn.invars)
+
+
+def _split_kernel(name: str, eqn: Any, values: Sequence[Any],
+                  pinned: tuple[tuple[NamedSharding, ...], tuple[NamedSharding, ...]]
+                  ) -> list[Any]:
+    """A shardplan kernel's call run on every device's blocks (``shard_map`` with the plan's
+    specs: XLA never partitions the kernel), re-traced at the local shapes from the call the
+    kernel recorded; results the plan keeps whole over axes an operand is split on (a
+    contracted dimension) are summed over those axes."""
+    call = recorded(name, [v.aval for v in eqn.invars])
+    if call is None:
+        raise RuntimeFailure(format_error(
+            "A kernel the plan splits was not called through shardplan.kernels.registry.call, "
+            "or was called on these shapes with other static options (a causal and a "
+            "non-causal attention of one shape), so it cannot be run again per device.",
+            where=f"kernel {name}", value=[str(v.aval) for v in eqn.invars],
+            remedy="call kernel functions through shardplan.kernels.registry.call, and give "
+                   "kernels of one shape one set of options"))
+    results, operands = pinned
+    mesh = (results or operands)[0].mesh
+    in_specs = tuple(s.spec for s in operands)
+    out_specs = tuple(s.spec for s in results)
+
+    def axes(spec: P) -> set[str]:
+        out: set[str] = set()
+        for entry in spec:
+            out.update((entry,) if isinstance(entry, str) else entry or ())
+        return out
+
+    split = set().union(*(axes(s) for s in in_specs)) if in_specs else set()
+    summed = [tuple(sorted(split - axes(s))) for s in out_specs]
+
+    def body(*xs: Any) -> tuple[Any, ...]:
+        outs = call.fn(*jax.tree.unflatten(call.treedef, xs), **call.static)
+        outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
+        return tuple(jax.lax.psum(o, a) if a else o for o, a in zip(outs, summed, strict=True))
+
+    run = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                        check_vma=False)
+    return list(run(*values))
+
+
 def _abstract_leaf(x: Any) -> jax.ShapeDtypeStruct:
     """``x``'s shape, dtype and weak type; Python scalars too (flax's ``TrainState.create``
     starts ``step`` at the int ``0``, which jax traces as a weakly typed ``int32[]``)."""
@@ -115,8 +163,11 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], prefix: tu
             operands = iter(pinned[1])
             values = [v if is_literal(var) else jax.lax.with_sharding_constraint(v, next(operands))
                       for var, v in zip(eqn.invars, values, strict=True)]
+        kernel = str(eqn.params.get("name", "")) if eqn.primitive.name in ("pjit", "jit") else ""
         inner = call_like_jaxpr(eqn) if path in inlined else None
-        if inner is not None:
+        if pinned is not None and kernel.startswith(KERNEL_PREFIX) and not literal_in(eqn):
+            outs = _split_kernel(kernel, eqn, values, pinned)
+        elif inner is not None:
             literal_positions = frozenset(k for k, v in enumerate(eqn.invars) if is_literal(v))
             outs = _evaluate(inner[0], inner[1], values, path, shardings, inlined,
                              literal_positions)

@@ -22,6 +22,9 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.extend import source_info_util
 
+from shardplan.kernels.registry import PREFIX as KERNEL_PREFIX
+from shardplan.kernels.registry import PRIMITIVE as KERNEL
+from shardplan.kernels.registry import recorded, rule_for
 from shardplan.trace.flops import (
     ELEMENTWISE,
     TRANSCENDENTAL,
@@ -236,6 +239,8 @@ class _Builder:
             return self._cond(eqn, in_ids, **kw)
         if name == "shard_map":
             return self._shard_map(eqn, in_ids, **kw)
+        if name in ("pjit", "jit") and str(params.get("name", "")).startswith(KERNEL_PREFIX):
+            return self._kernel(eqn, in_ids, **kw, path=path)
         inner = call_like_jaxpr(eqn)
         if inner is not None:
             jaxpr, consts = inner
@@ -256,6 +261,33 @@ class _Builder:
         if out_val is not _NOT_CONST and len(outs) == 1:
             self.consts[outs[0]] = out_val
         return list(outs)
+
+    def _kernel(self, eqn: Any, in_ids: list[int | None], *, count: int, trips: int, stack: str,
+                loop: tuple[tuple[int, int], ...], path: tuple[int, ...] | None
+                ) -> list[int | None]:
+        """A shardplan kernel's ``jax.jit`` call: one op (:mod:`shardplan.kernels.registry`),
+        not the Pallas call inside, which only its registered rule can split."""
+        name = str(eqn.params["name"])
+        in_avals = [v.aval for v in eqn.invars if not isinstance(v, jcore.Literal)]
+        out_avals = [v.aval for v in eqn.outvars]
+        if rule_for(name) is None:
+            self.unknown.setdefault(f"{KERNEL}:{name}", self.source(eqn))
+        call = recorded(name, in_avals)
+        # The static options the cost needs (flash attention's ``causal``), read off the call
+        # the kernel recorded; a kernel traced elsewhere is costed with the rule's defaults.
+        static: dict[str, Any] = {}
+        if call is not None:
+            for key, value in call.static.items():
+                if dataclasses.is_dataclass(value) and not isinstance(value, type):
+                    static.update({f.name: getattr(value, f.name)
+                                   for f in dataclasses.fields(value)
+                                   if isinstance(getattr(value, f.name), bool)})
+                elif isinstance(value, bool):
+                    static[key] = value
+        params = {"name": name, "static": static}
+        return list(self.add_op(KERNEL, in_ids, in_avals, out_avals, params, count=count,
+                                trips=trips, stack=stack, source=self.source(eqn), loop=loop,
+                                attrs={"kernel": name}, path=path))
 
     def _scan(self, eqn: Any, in_ids: list[int | None], *, count: int, trips: int, stack: str,
               loop: tuple[tuple[int, int], ...]) -> list[int | None]:

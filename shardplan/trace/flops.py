@@ -34,6 +34,9 @@ from typing import Any
 
 import numpy as np
 
+from shardplan.kernels.registry import PRIMITIVE as KERNEL
+from shardplan.kernels.registry import rule_for
+
 __all__ = [
     "ELEMENTWISE",
     "TRANSCENDENTAL",
@@ -168,7 +171,11 @@ def equation_cost(primitive: str, in_avals: Sequence[Any], out_avals: Sequence[A
     out_elems = _size(out_avals[0].shape) if out_avals and hasattr(out_avals[0], "shape") else 0
     flops: float = 0
     trans: float = 0
-    if primitive == "dot_general":
+    if primitive == KERNEL:
+        rule = rule_for(str(params.get("name", "")))
+        flops = rule.flops([tuple(a.shape) for a in in_avals], params.get("static", {})) \
+            if rule is not None else 0.0
+    elif primitive == "dot_general":
         flops = _dot_flops(in_avals, out_avals, params)
     elif primitive == "conv_general_dilated":
         flops = _conv_flops(in_avals, out_avals, params)
@@ -183,6 +190,12 @@ def equation_cost(primitive: str, in_avals: Sequence[Any], out_avals: Sequence[A
         flops = _size(in_avals[0].shape) - out_elems if in_avals else 0
     elif primitive in _ARG_REDUCTIONS:
         flops = (_size(in_avals[0].shape) - out_elems) * _ARG_REDUCE_COMPARATOR_OPS
+    elif primitive == "sort":
+        # A comparison sort: about log2(n) comparisons per element along the sorted axis
+        # (the keys decide; further operands are permuted along).
+        axis = params.get("dimension", -1)
+        n = in_avals[0].shape[axis] if in_avals and in_avals[0].shape else 1
+        flops = out_elems * max(1, math.ceil(math.log2(max(n, 2))))
     elif primitive in _CUMULATIVE:
         axis = params.get("axis", 0)
         flops = out_elems * (in_avals[0].shape[axis] - 1) if in_avals else 0
@@ -204,8 +217,9 @@ def equation_cost(primitive: str, in_avals: Sequence[Any], out_avals: Sequence[A
 
 def is_known_primitive(primitive: str) -> bool:
     """Whether :func:`equation_cost` has a rule for ``primitive`` (not the fallback)."""
-    return (primitive in ELEMENTWISE or primitive in TRANSCENDENTAL or primitive in ZERO_FLOP
+    return (primitive == KERNEL or primitive in ELEMENTWISE or primitive in TRANSCENDENTAL
+            or primitive in ZERO_FLOP
             or primitive in _REDUCTIONS or primitive in _ARG_REDUCTIONS
-            or primitive in _CUMULATIVE or primitive in _SCATTER_COMBINE
+            or primitive in _CUMULATIVE or primitive in _SCATTER_COMBINE or primitive == "sort"
             or primitive in _COMPOSITE
             or primitive in ("dot_general", "conv_general_dilated", "random_bits"))
