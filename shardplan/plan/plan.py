@@ -505,6 +505,25 @@ class Plan:
 
         return report.plan_report(self)
 
+    def to_html(self) -> str:
+        """The plan as one self-contained HTML report (inline CSS, script and SVG; nothing
+        fetched): cluster map, stages, tensors with their tiling, pipeline timeline, memory,
+        runner-ups and predicted | compiled | measured (:mod:`shardplan.viz.html`).
+
+        Example:
+            >>> _example().to_html().startswith("<!DOCTYPE html>")
+            True
+        """
+        from shardplan.viz import html  # viz comes after plan in the pipeline: import late
+
+        return html.plan_html(self)
+
+    def _repr_html_(self) -> str:
+        """The HTML report in an ``<iframe srcdoc>``, for notebooks (Jupyter calls this)."""
+        from shardplan.viz import html
+
+        return html.notebook_html(self)
+
 
 def _example() -> Plan:
     """A one-stage plan on two devices, for docstrings."""
