@@ -10,13 +10,13 @@ and the FLOP sum of its programs over one microbatch each; that row is labelled 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from shardplan.plan.plan import Plan
 from shardplan.plan.summary import _format_bytes, _format_time
 
-__all__ = ["plan_report"]
+__all__ = ["compiled_collectives", "plan_report"]
 
 _ROW = "  {:<28} {:>16} {:>16} {:>16} {:>8}"
 
@@ -50,6 +50,19 @@ def _programs(plan: Plan) -> dict[int, list[Mapping[str, Any]]]:
     for prog in programs:
         out.setdefault(int(prog["stage"]), []).append(prog)
     return out
+
+
+def compiled_collectives(programs: Mapping[int, Sequence[Mapping[str, Any]]], /
+                         ) -> dict[str, list[int]]:
+    """``{kind: [count, bytes]}`` summed over the compiled programs of every stage."""
+    total: dict[str, list[int]] = {}
+    for progs in programs.values():
+        for prog in progs:
+            for kind, entry in prog["collectives"].items():
+                row = total.setdefault(kind, [0, 0])
+                row[0] += int(entry["count"])
+                row[1] += int(entry["bytes"])
+    return total
 
 
 def plan_report(plan: Plan, /) -> str:
@@ -95,13 +108,7 @@ def plan_report(plan: Plan, /) -> str:
         lines.append(_ROW.format(f"{_stage(plan, st.index)} busy", "", "",
                                  _seconds(stage_times.get(str(st.index))), ""))
     lines.append("  collectives per device per step (count x bytes)")
-    compiled_coll: dict[str, list[int]] = {}
-    for progs in programs.values():
-        for prog in progs:
-            for kind, entry in prog["collectives"].items():
-                total = compiled_coll.setdefault(kind, [0, 0])
-                total[0] += int(entry["count"])
-                total[1] += int(entry["bytes"])
+    compiled_coll = compiled_collectives(programs)
     kinds = sorted(set(plan.predicted.collectives) | set(compiled_coll))
     for kind in kinds:
         p = plan.predicted.collectives.get(kind)

@@ -34,7 +34,15 @@ from typing import TYPE_CHECKING, Any
 
 from shardplan.errors import ShardplanError
 from shardplan.plan.explain import _chosen_label, _peak, _runner_label
-from shardplan.plan.report import _bytes, _num, _programs, _ratio, _seconds, _stage
+from shardplan.plan.report import (
+    _bytes,
+    _num,
+    _programs,
+    _ratio,
+    _seconds,
+    _stage,
+    compiled_collectives,
+)
 from shardplan.plan.summary import _plain, compress_layers, key_pattern
 from shardplan.viz import data
 
@@ -258,13 +266,7 @@ def _figures(plan: Plan) -> dict[str, Any]:
         rows.append([f"{_stage(plan, st.index)} busy", "", "",
                      _seconds(stage_times.get(str(st.index))), ""])
     rows.append(["collectives per device per step (count x bytes)"])
-    compiled_coll: dict[str, list[int]] = {}
-    for progs in programs.values():
-        for prog in progs:
-            for kind, entry in prog["collectives"].items():
-                total = compiled_coll.setdefault(kind, [0, 0])
-                total[0] += int(entry["count"])
-                total[1] += int(entry["bytes"])
+    compiled_coll = compiled_collectives(programs)
     for kind in sorted(set(plan.predicted.collectives) | set(compiled_coll)):
         p, c = plan.predicted.collectives.get(kind), compiled_coll.get(kind)
         rows.append([kind, f"{p['count']} x {_bytes(p['bytes'])}" if p else "-",
