@@ -7,8 +7,9 @@
 #
 # The GPU image (Python 3.12, jax 0.11.x with CUDA) has jax, flax, optax, orbax, rich and
 # pyyaml but not ortools, which `import shardplan` needs (the planner); --prepare downloads
-# ortools and immutabledict as Python 3.12 wheels into .whl/ (git-ignored, about 25 MB), and
-# the run installs them into /tmp/site when the import fails.
+# ortools, immutabledict and the protobuf this ortools needs (6.33) as Python 3.12 wheels into
+# .whl/ (git-ignored, about 30 MB), and the run installs them into /tmp/site, ahead of the
+# image's packages, when the import fails.
 #
 # The run:
 #   1. prints the devices and versions;
@@ -26,7 +27,8 @@ if [ "${1:-}" = "--prepare" ]; then
   mkdir -p .whl
   for spec in "ortools==$(python3 -c 'import ortools; print(ortools.__version__)' 2>/dev/null \
                || .venv/bin/python -c 'import ortools; print(ortools.__version__)')" \
-              immutabledict; do
+              immutabledict \
+              "protobuf==$(.venv/bin/python -c 'import google.protobuf as p; print(p.__version__)')"; do
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
       --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "$spec" || exit 1
