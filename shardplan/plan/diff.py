@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from shardplan.errors import ConfigError, format_error
 from shardplan.plan.summary import (
-    _clip,
-    _format_gib,
-    _format_time,
-    _wrap,
+    clip_line,
     compress_ids,
     compress_layers,
+    format_gib,
     format_spec,
+    format_time,
     key_pattern,
+    wrap_text,
 )
 
 if TYPE_CHECKING:
@@ -119,16 +119,16 @@ class PlanDiff:
                 lines += ["", title]
                 width = max(len(c.field) for c in changes)
                 for c in changes:
-                    lines += _wrap(f"{c.field:<{width}}  {c.before} -> {c.after}", "  ", "    ")
+                    lines += wrap_text(f"{c.field:<{width}}  {c.before} -> {c.after}", "  ", "    ")
         for title, specs in (("Parameter shardings: pattern [leaves] before -> after",
                               self.param_specs),
                              ("Batch shardings: key before -> after", self.batch_specs)):
             if specs:
                 lines += ["", title]
                 for s in specs:
-                    lines += _wrap(f"{s.pattern} [{s.leaves}]: {s.before} -> {s.after}", "  ",
-                                   "    ")
-        return "\n".join(_clip(line.rstrip()) for line in lines)
+                    lines += wrap_text(f"{s.pattern} [{s.leaves}]: {s.before} -> {s.after}", "  ",
+                                       "    ")
+        return "\n".join(clip_line(line.rstrip()) for line in lines)
 
 
 def diff(plan_a: Plan, plan_b: Plan, /) -> PlanDiff:
@@ -238,12 +238,12 @@ def _predicted(plan_a: Plan, plan_b: Plan) -> tuple[Change, ...]:
                        ("compute", a.compute_s, b.compute_s),
                        ("communication", a.communication_s, b.communication_s)):
         if x != y:
-            out.append(Change(name, _format_time(x), _format_time(y) + _relative(x, y)))
+            out.append(Change(name, format_time(x), format_time(y) + _relative(x, y)))
     pa = max(a.memory_bytes.values(), default=0)
     pb = max(b.memory_bytes.values(), default=0)
     if pa != pb:
-        out.append(Change("peak memory per device", _format_gib(pa),
-                          _format_gib(pb) + _relative(pa, pb)))
+        out.append(Change("peak memory per device", format_gib(pa),
+                          format_gib(pb) + _relative(pa, pb)))
     return tuple(out)
 
 

@@ -34,20 +34,20 @@ from typing import TYPE_CHECKING, Any
 from shardplan.errors import ConfigError, format_error
 from shardplan.plan.summary import (
     MAX_WIDTH,
-    _clip,
-    _format_bytes,
-    _format_gib,
-    _format_time,
-    _wrap,
+    clip_line,
+    format_bytes,
+    format_gib,
     format_spec,
+    format_time,
     key_pattern,
+    wrap_text,
 )
 
 if TYPE_CHECKING:
     from shardplan.plan.plan import Plan, Spec
 
-__all__ = ["alternatives_record", "explain", "pipeline_label", "stage_runs",
-           "starred_values"]
+__all__ = ["alternatives_record", "chosen_label", "explain", "peak_memory_bytes",
+           "pipeline_label", "runner_label", "stage_runs", "starred_values"]
 
 _HASH_CHARS = 12
 _CLOSEST = 5  # leaves listed under "closest alternatives" when no tensor is asked for
@@ -124,25 +124,25 @@ def _table(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
 
 
 def _seconds(x: object) -> str:
-    return _format_time(float(x)) if isinstance(x, int | float) else "-"
+    return format_time(float(x)) if isinstance(x, int | float) else "-"
 
 
 def _memory(x: object) -> str:
-    return _format_gib(int(x)) if isinstance(x, int | float) else "-"
+    return format_gib(int(x)) if isinstance(x, int | float) else "-"
 
 
 def _signed_time(x: object) -> str:
     if not isinstance(x, int | float):
         return "-"
     sign = "+" if x >= 0 else "-"
-    return sign + _format_time(abs(float(x)))
+    return sign + format_time(abs(float(x)))
 
 
 def _signed_bytes(x: object) -> str:
     if not isinstance(x, int | float):
         return "-"
     sign = "+" if x >= 0 else "-"
-    return sign + _format_bytes(abs(int(x)))
+    return sign + format_bytes(abs(int(x)))
 
 
 def stage_runs(items: Sequence[str], /) -> str:
@@ -183,14 +183,30 @@ def pipeline_label(plan: Plan, /) -> str:
             f"{plan.schedule}{chunks}, remat {remats}")
 
 
-def _chosen_label(plan: Plan) -> str:
+def chosen_label(plan: Plan, /) -> str:
+    """The chosen configuration in one line: a one-stage plan without layouts as its device type
+    and mesh, any other as :func:`pipeline_label` writes it.
+
+    Example:
+        >>> from shardplan.plan.plan import _example
+        >>> chosen_label(_example())
+        'cpu (data=2)'
+    """
     if len(plan.stages) == 1 and not plan.layouts:
         s = plan.stages[0]
         return f"{s.device_type} {s.mesh.describe()}"
     return pipeline_label(plan)
 
 
-def _runner_label(plan: Plan, row: Mapping[str, Any]) -> str:
+def runner_label(plan: Plan, row: Mapping[str, Any], /) -> str:
+    """A runner-up of ``plan.solver["runner_ups"]`` in one line: a row with a ``mesh`` as the
+    first stage's device type and the mesh's axes, any other row as its ``config``.
+
+    Example:
+        >>> from shardplan.plan.plan import _example
+        >>> runner_label(_example(), {"mesh": {"axis_names": ["data"], "axis_sizes": [1]}})
+        'cpu (data=1)'
+    """
     mesh = row.get("mesh")
     if isinstance(mesh, Mapping):
         dims = ", ".join(f"{n}={s}" for n, s in zip(mesh.get("axis_names", ()),
@@ -199,17 +215,24 @@ def _runner_label(plan: Plan, row: Mapping[str, Any]) -> str:
     return str(row.get("config", "?"))
 
 
-def _peak(plan: Plan) -> int | None:
+def peak_memory_bytes(plan: Plan, /) -> int | None:
+    """The largest predicted memory of any device in bytes; ``None`` when none is predicted.
+
+    Example:
+        >>> from shardplan.plan.plan import _example
+        >>> peak_memory_bytes(_example())
+        1024
+    """
     return max(plan.predicted.memory_bytes.values(), default=None)
 
 
 def _runner_ups(plan: Plan) -> list[str]:
     rows = plan.solver.get("runner_ups")
     lines = ["Chosen plan and runner-ups (predicted per step; memory: peak bytes per device)"]
-    table = [[_chosen_label(plan), _seconds(plan.predicted.step_time_s),
-              _memory(_peak(plan)), "chosen"]]
+    table = [[chosen_label(plan), _seconds(plan.predicted.step_time_s),
+              _memory(peak_memory_bytes(plan)), "chosen"]]
     if isinstance(rows, Sequence):
-        table += [[_runner_label(plan, r), _seconds(r.get("step_time_s")),
+        table += [[runner_label(plan, r), _seconds(r.get("step_time_s")),
                    _memory(r.get("memory_bytes")), str(r.get("reason", ""))]
                   for r in rows if isinstance(r, Mapping)]
     head = ("mesh / stages", "step time", "memory", "why it lost")
@@ -221,19 +244,19 @@ def _runner_ups(plan: Plan) -> list[str]:
         lines += _table(("", *head[1:]), [[k, *row[1:]] for k, row in zip(labels, table,
                                                                            strict=True)])
         for k, row in zip(labels, table, strict=True):
-            lines += _wrap(row[0], f"  {k + ':':<7} ", " " * 10)
+            lines += wrap_text(row[0], f"  {k + ':':<7} ", " " * 10)
     if rows is None:
-        lines += _wrap("This plan records no runner-ups (it was made by a shardplan that did "
-                       "not record them); make the plan again to see them.", "  ")
+        lines += wrap_text("This plan records no runner-ups (it was made by a shardplan that did "
+                           "not record them); make the plan again to see them.", "  ")
     elif not rows:
         candidates = plan.solver.get("mesh_candidates")
         if len(plan.stages) == 1 and isinstance(candidates, Sequence) and len(candidates) <= 1:
-            lines += _wrap("No runner-up: the mesh search had one candidate. Coarser meshes "
-                           "are special cases of it (an axis pair used together) and cost "
-                           "the same or more; PlanConfig(max_mesh_axes=3) adds candidates.",
-                           "  ")
+            lines += wrap_text("No runner-up: the mesh search had one candidate. Coarser meshes "
+                               "are special cases of it (an axis pair used together) and cost "
+                               "the same or more; PlanConfig(max_mesh_axes=3) adds candidates.",
+                               "  ")
         else:
-            lines += _wrap("No runner-up: the planner had no other feasible candidate.", "  ")
+            lines += wrap_text("No runner-up: the planner had no other feasible candidate.", "  ")
     return lines
 
 
@@ -282,9 +305,9 @@ def _closest(record: Mapping[str, Any]) -> list[str]:
 def _leaf(plan: Plan, tensor: str) -> list[str]:
     records = _records(plan)
     if not records:
-        return _wrap(f"This plan records no per-tensor alternatives, so none for {tensor!r} "
-                     "(a multi-stage plan, or one made by a shardplan that did not record "
-                     "them).", "")
+        return wrap_text(f"This plan records no per-tensor alternatives, so none for {tensor!r} "
+                         "(a multi-stage plan, or one made by a shardplan that did not record "
+                         "them).", "")
     lines: list[str] = []
     shown: set[str] = set()  # each basis once
     found = False
@@ -293,12 +316,12 @@ def _leaf(plan: Plan, tensor: str) -> list[str]:
             found = True
             group = record["groups"][g]
             where = f" (layout {name})" if name else ""
-            lines += _wrap(f"{tensor}{which}{where}: chosen "
-                           f"{format_spec(_spec_of(group['chosen']))}", "", "    ")
+            lines += wrap_text(f"{tensor}{which}{where}: chosen "
+                               f"{format_spec(_spec_of(group['chosen']))}", "", "    ")
             basis = str(record.get("basis", ""))
             if basis and basis not in shown:
                 shown.add(basis)
-                lines += _wrap(basis, "  ")
+                lines += wrap_text(basis, "  ")
             rows = [[format_spec(_spec_of(spec)), _signed_time(delta), _signed_bytes(memory),
                      "" if ok else (_UNREPAIRED if delta is None else "over the memory budget")]
                     for spec, delta, memory, ok in group["options"]]
@@ -327,15 +350,15 @@ def explain(plan: Plan, /, tensor: str | None = None) -> str:
     lines = [f"Plan {plan.content_hash[:_HASH_CHARS]}: why this plan"]
     if tensor is not None:
         lines += ["", *_leaf(plan, tensor)]
-        return "\n".join(_clip(line.rstrip()) for line in lines)
+        return "\n".join(clip_line(line.rstrip()) for line in lines)
     lines += ["", *_runner_ups(plan), ""]
     records = _records(plan)
     if not records:
-        lines += _wrap("This plan records no per-tensor alternatives (a plan made by a "
-                       "shardplan that did not record them).", "")
+        lines += wrap_text("This plan records no per-tensor alternatives (a plan made by a "
+                           "shardplan that did not record them).", "")
     for name, record in records:
         where = f" in layout {name}" if name else ""
-        lines += _wrap(f"Closest alternatives{where} (Δ step time of a leaf's best other "
-                       "sharding; explain(tensor=...) lists all)", "", "  ")
+        lines += wrap_text(f"Closest alternatives{where} (Δ step time of a leaf's best other "
+                           "sharding; explain(tensor=...) lists all)", "", "  ")
         lines += _closest(record) or ["  none: no leaf has another feasible sharding"]
-    return "\n".join(_clip(line.rstrip()) for line in lines)
+    return "\n".join(clip_line(line.rstrip()) for line in lines)

@@ -14,14 +14,22 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from shardplan.plan.plan import Plan
-from shardplan.plan.summary import _format_bytes, _format_time
+from shardplan.plan.summary import format_bytes, format_time
 
-__all__ = ["compiled_collectives", "plan_report"]
+__all__ = ["bytes_cell", "compiled_collectives", "number_cell", "plan_report", "programs_by_stage",
+           "ratio_cell", "seconds_cell", "stage_label"]
 
 _ROW = "  {:<28} {:>16} {:>16} {:>16} {:>8}"
 
 
-def _num(x: float | None) -> str:
+def number_cell(x: float | None) -> str:
+    """A count (FLOPs) to three significant digits with an SI prefix (``k``, ``M``, ``G``,
+    ``T``); ``-`` when not recorded.
+
+    Example:
+        >>> number_cell(2.5e12), number_cell(None)
+        ('2.5 T', '-')
+    """
     if x is None:
         return "-"
     for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
@@ -30,21 +38,48 @@ def _num(x: float | None) -> str:
     return f"{x:.3g}"
 
 
-def _ratio(a: float | None, b: float | None) -> str:
+def ratio_cell(a: float | None, b: float | None) -> str:
+    """``b / a`` (compiled or measured over predicted) to three significant digits; ``-`` when
+    either is not recorded or ``a`` is zero.
+
+    Example:
+        >>> ratio_cell(2.0, 3.0), ratio_cell(None, 3.0)
+        ('1.5', '-')
+    """
     if a is None or b is None or not a:
         return "-"
     return f"{b / a:.3g}"
 
 
-def _bytes(x: float | None) -> str:
-    return "-" if x is None else _format_bytes(int(x))
+def bytes_cell(x: float | None) -> str:
+    """Bytes as :func:`~shardplan.plan.summary.format_bytes` writes them; ``-`` when not recorded.
+
+    Example:
+        >>> bytes_cell(2048), bytes_cell(None)
+        ('2.00 KiB', '-')
+    """
+    return "-" if x is None else format_bytes(int(x))
 
 
-def _seconds(x: float | None) -> str:
-    return "-" if x is None else _format_time(float(x))
+def seconds_cell(x: float | None) -> str:
+    """Seconds as :func:`~shardplan.plan.summary.format_time` writes them; ``-`` when not
+    recorded.
+
+    Example:
+        >>> seconds_cell(0.25), seconds_cell(None)
+        ('250.0 ms', '-')
+    """
+    return "-" if x is None else format_time(float(x))
 
 
-def _programs(plan: Plan) -> dict[int, list[Mapping[str, Any]]]:
+def programs_by_stage(plan: Plan, /) -> dict[int, list[Mapping[str, Any]]]:
+    """The compiled programs ``plan.compiled`` records, by stage index, in recorded order.
+
+    Example:
+        >>> from shardplan.plan.plan import _example
+        >>> programs_by_stage(_example())
+        {}
+    """
     out: dict[int, list[Mapping[str, Any]]] = {}
     programs: Any = plan.compiled.get("programs", ())
     for prog in programs:
@@ -67,7 +102,7 @@ def compiled_collectives(programs: Mapping[int, Sequence[Mapping[str, Any]]], /
 
 def plan_report(plan: Plan, /) -> str:
     """The text of :meth:`Plan.report` (at most 100 columns, no colour codes)."""
-    programs = _programs(plan)
+    programs = programs_by_stage(plan)
     measured: Mapping[str, Any] = plan.measured
     stage_times: Mapping[str, Any] = measured.get("stage_time_s", {})
     pipelined = len(plan.stages) > 1 or plan.microbatches > 1
@@ -89,24 +124,24 @@ def plan_report(plan: Plan, /) -> str:
         figures = [p["memory_bytes"] for p in programs.get(st.index, ())
                    if p["memory_bytes"] is not None]
         compiled = max(figures) if figures else None
-        lines.append(_ROW.format(_stage(plan, st.index), _bytes(predicted), _bytes(compiled),
-                                 "", _ratio(predicted, compiled)))
+        lines.append(_ROW.format(stage_label(plan, st.index), bytes_cell(predicted),
+                                 bytes_cell(compiled), "", ratio_cell(predicted, compiled)))
     lines.append("  FLOPs per device per step")
     for st in plan.stages:
         predicted_flops = (plan.predicted.stage_flops[st.index]
                            if st.index < len(plan.predicted.stage_flops) else None)
         flops = [float(p["flops"]) for p in programs.get(st.index, ())]
         compiled_flops = sum(flops) if flops else None
-        lines.append(_ROW.format(_stage(plan, st.index), _num(predicted_flops),
-                                 _num(compiled_flops), "",
-                                 _ratio(predicted_flops, compiled_flops)))
+        lines.append(_ROW.format(stage_label(plan, st.index), number_cell(predicted_flops),
+                                 number_cell(compiled_flops), "",
+                                 ratio_cell(predicted_flops, compiled_flops)))
     lines.append("  step time")
-    lines.append(_ROW.format("whole step", _seconds(plan.predicted.step_time_s), "",
-                             _seconds(measured.get("step_time_s")),
-                             _ratio(plan.predicted.step_time_s, measured.get("step_time_s"))))
+    lines.append(_ROW.format("whole step", seconds_cell(plan.predicted.step_time_s), "",
+                             seconds_cell(measured.get("step_time_s")),
+                             ratio_cell(plan.predicted.step_time_s, measured.get("step_time_s"))))
     for st in plan.stages if pipelined else ():
-        lines.append(_ROW.format(f"{_stage(plan, st.index)} busy", "", "",
-                                 _seconds(stage_times.get(str(st.index))), ""))
+        lines.append(_ROW.format(f"{stage_label(plan, st.index)} busy", "", "",
+                                 seconds_cell(stage_times.get(str(st.index))), ""))
     lines.append("  collectives per device per step (count x bytes)")
     compiled_coll = compiled_collectives(programs)
     kinds = sorted(set(plan.predicted.collectives) | set(compiled_coll))
@@ -114,14 +149,21 @@ def plan_report(plan: Plan, /) -> str:
         p = plan.predicted.collectives.get(kind)
         c = compiled_coll.get(kind)
         lines.append(_ROW.format(
-            kind, f"{p['count']} x {_bytes(p['bytes'])}" if p else "-",
-            f"{c[0]} x {_bytes(c[1])}" if c else "-", "",
-            _ratio(p["bytes"] if p else None, c[1] if c else None)))
+            kind, f"{p['count']} x {bytes_cell(p['bytes'])}" if p else "-",
+            f"{c[0]} x {bytes_cell(c[1])}" if c else "-", "",
+            ratio_cell(p["bytes"] if p else None, c[1] if c else None)))
     if not kinds:
         lines.append("  (none predicted or compiled)")
     return "\n".join(line.rstrip() for line in lines)
 
 
-def _stage(plan: Plan, index: int) -> str:
+def stage_label(plan: Plan, index: int, /) -> str:
+    """A stage as the report labels its rows: index, device type and device count.
+
+    Example:
+        >>> from shardplan.plan.plan import _example
+        >>> stage_label(_example(), 0)
+        'stage 0 (cpu x2)'
+    """
     st = plan.stages[index]
     return f"stage {index} ({st.device_type} x{st.mesh.num_devices})"

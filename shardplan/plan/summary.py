@@ -29,12 +29,20 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_WIDTH",
+    "clip_line",
     "compress_ids",
     "compress_layers",
+    "elide_middle",
+    "format_bytes",
+    "format_gib",
     "format_spec",
+    "format_time",
     "key_pattern",
     "layer_runs",
+    "plain_json",
     "plan_summary",
+    "plural",
+    "wrap_text",
 ]
 
 MAX_WIDTH = 100
@@ -132,21 +140,40 @@ def key_pattern(path: str, /) -> str:
     return "/".join(out)
 
 
-def _format_time(seconds: float) -> str:
+def format_time(seconds: float) -> str:
+    """A duration in milliseconds: one decimal from 10 ms up, three below.
+
+    Example:
+        >>> format_time(0.0123), format_time(0.0004)
+        ('12.3 ms', '0.400 ms')
+    """
     ms = seconds * 1e3
     return f"{ms:,.1f} ms" if ms >= 10 else f"{ms:.3f} ms"
 
 
-def _format_bytes(n: int) -> str:
+def format_bytes(n: int) -> str:
+    """A byte count in the largest binary unit it reaches (GiB, MiB, KiB), two decimals; whole
+    bytes below 1 KiB.
+
+    Example:
+        >>> format_bytes(3 * 1024**2), format_bytes(512)
+        ('3.00 MiB', '512 B')
+    """
     for unit, scale in (("GiB", _GIB), ("MiB", 1024**2), ("KiB", 1024)):
         if n >= scale:
             return f"{n / scale:,.2f} {unit}"
     return f"{n} B"
 
 
-def _format_gib(n: int) -> str:
-    """GiB with two decimals; small values (tiny test models) in a unit that shows them."""
-    return f"{n / _GIB:,.2f} GiB" if n >= _GIB // 10 else _format_bytes(n)
+def format_gib(n: int) -> str:
+    """Bytes in GiB with two decimals; below 0.1 GiB (tiny test models) as :func:`format_bytes`,
+    in a unit that shows them.
+
+    Example:
+        >>> format_gib(2 * 1024**3), format_gib(1024**2)
+        ('2.00 GiB', '1.00 MiB')
+    """
+    return f"{n / _GIB:,.2f} GiB" if n >= _GIB // 10 else format_bytes(n)
 
 
 def _share(part: float, whole: float) -> str:
@@ -159,24 +186,44 @@ def _format_value(value: object) -> str:
     if isinstance(value, str):
         return value
     if isinstance(value, Mapping | tuple):
-        text = json.dumps(_plain(value), separators=(",", ":"))
+        text = json.dumps(plain_json(value), separators=(",", ":"))
         return text if len(text) <= 40 else text[:37] + "..."
     return repr(value)
 
 
-def _plain(value: object) -> object:
+def plain_json(value: object) -> object:
+    """A frozen record as plain JSON data: mappings become dicts with string keys and tuples
+    lists, at every depth; other values pass through.
+
+    Example:
+        >>> plain_json({"mesh": (2, 4), 3: {"axes": ("data",)}})
+        {'mesh': [2, 4], '3': {'axes': ['data']}}
+    """
     if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): plain_json(v) for k, v in value.items()}
     if isinstance(value, tuple):
-        return [_plain(v) for v in value]
+        return [plain_json(v) for v in value]
     return value
 
 
-def _clip(line: str) -> str:
-    return line if len(line) <= MAX_WIDTH else line[:MAX_WIDTH - 3] + "..."
+def clip_line(line: str, width: int = MAX_WIDTH) -> str:
+    """``line`` cut to ``width`` columns, ending in ``...`` where it was cut.
+
+    Example:
+        >>> clip_line("stage 0 (cpu x2)", 10)
+        'stage 0...'
+    """
+    return line if len(line) <= width else line[:width - 3] + "..."
 
 
-def _elide_middle(text: str, width: int) -> str:
+def elide_middle(text: str, width: int) -> str:
+    """``text`` cut to ``width`` columns by replacing its middle with ``...`` (a character of
+    each end stays, so a width under 5 can be exceeded).
+
+    Example:
+        >>> elide_middle("blocks/attention/wq", 12)
+        'bloc...on/wq'
+    """
     if len(text) <= width:
         return text
     keep = max(width - 3, 2)
@@ -195,31 +242,46 @@ def _pack(items: Sequence[str], lead: str, subsequent: str, sep: str = ", ") -> 
     return lines
 
 
-def _wrap(text: str, indent: str, subsequent: str | None = None) -> list[str]:
+def wrap_text(text: str, indent: str, subsequent: str | None = None) -> list[str]:
+    """``text`` broken between words into lines of at most MAX_WIDTH columns, the first led by
+    ``indent`` and the rest by ``subsequent`` (default ``indent``); an empty text gives one line,
+    ``indent`` without its trailing spaces.
+
+    Example:
+        >>> wrap_text("no runner-up", "  ")
+        ['  no runner-up']
+    """
     return textwrap.wrap(text, MAX_WIDTH, initial_indent=indent,
                          subsequent_indent=indent if subsequent is None else subsequent,
                          break_on_hyphens=False) or [indent.rstrip()]
 
 
-def _plural(n: int, word: str, plural: str | None = None) -> str:
-    return f"{n} {word if n == 1 else plural or word + 's'}"
+def plural(n: int, word: str, plural_word: str | None = None) -> str:
+    """``n`` and ``word``, in the plural (``plural_word``, by default ``word + "s"``) unless ``n``
+    is 1.
+
+    Example:
+        >>> plural(1, "stage"), plural(4, "microbatch", "microbatches")
+        ('1 stage', '4 microbatches')
+    """
+    return f"{n} {word if n == 1 else plural_word or word + 's'}"
 
 
 # --------------------------------------------------------------------------- sections
 
 
 def _microbatches(plan: Plan) -> str:
-    return _plural(plan.microbatches, "microbatch", "microbatches")
+    return plural(plan.microbatches, "microbatch", "microbatches")
 
 
 def _header(plan: Plan) -> list[str]:
-    replicas = (f" in {_plural(len(plan.replicas), 'replica')}" if len(plan.replicas) > 1
+    replicas = (f" in {plural(len(plan.replicas), 'replica')}" if len(plan.replicas) > 1
                 else "")
     size = f" of {plan.microbatch_size}" if plan.microbatch_size else ""
     chunks = f" ({plan.chunks} chunks per stage)" if plan.chunks > 1 else ""
     return [
-        f"Plan {plan.content_hash[:_HASH_CHARS]}: {_plural(len(plan.stages), 'stage')}{replicas}, "
-        f"{_plural(plan.num_devices, 'device')}, {_microbatches(plan)}{size}, "
+        f"Plan {plan.content_hash[:_HASH_CHARS]}: {plural(len(plan.stages), 'stage')}{replicas}, "
+        f"{plural(plan.num_devices, 'device')}, {_microbatches(plan)}{size}, "
         f"schedule {plan.schedule}{chunks}",
         f"  schema {plan.schema_version}, shardplan {plan.shardplan_version}, "
         f"graph {plan.graph_fingerprint[:_HASH_CHARS] or '-'}, "
@@ -245,10 +307,10 @@ def _device_types(plan: Plan) -> list[str]:
         stages[st.device_type] = stages.get(st.device_type, 0) + 1
     lines = ["Device types"]
     for name in stages:
-        lines.append(f"  {name}: {_plural(len(devices[name]), 'device')} in "
-                     f"{_plural(stages[name], 'stage')} of "
-                     f"{_plural(len(replicas[name]), 'replica')}, "
-                     f"{_plural(len(layers[name]), 'distinct layer')}")
+        lines.append(f"  {name}: {plural(len(devices[name]), 'device')} in "
+                     f"{plural(stages[name], 'stage')} of "
+                     f"{plural(len(replicas[name]), 'replica')}, "
+                     f"{plural(len(layers[name]), 'distinct layer')}")
     return lines
 
 
@@ -264,10 +326,10 @@ def _replicas(plan: Plan) -> list[str]:
     for (shape, microbatches), members in groups.items():
         ids = compress_ids(members)
         lines.append(f"  {'replica' if len(members) == 1 else 'replicas'} {ids} "
-                     f"({len(members)} x): {_plural(microbatches, 'microbatch', 'microbatches')}"
+                     f"({len(members)} x): {plural(microbatches, 'microbatch', 'microbatches')}"
                      " each")
         for device_type, mesh, n, layers, remat in shape:
-            lead = f"    {device_type} {mesh} {_plural(n, 'device')}, remat {remat}: "
+            lead = f"    {device_type} {mesh} {plural(n, 'device')}, remat {remat}: "
             lines.extend(_pack(list(layers) or ["-"], lead, " " * 6))
     return lines
 
@@ -286,7 +348,7 @@ def _stages(plan: Plan) -> list[str]:
         lead = "  " + "  ".join(f"{cell:<{w}}" for cell, w in zip(row, widths, strict=True))
         lead += "  "
         if len(lead) > MAX_WIDTH - 20:  # pathological widths: put layers on their own lines
-            lines.append(_clip(lead.rstrip()))
+            lines.append(clip_line(lead.rstrip()))
             lines.extend(_pack(names, "      ", "      "))
         else:
             lines.extend(_pack(names, lead, " " * len(lead)))
@@ -310,14 +372,14 @@ def _spec_lines(rows: list[tuple[str, str, str, int]], *, with_stage: bool) -> l
     lines = []
     for stages, pattern, spec, count in rows:
         lead = f"  {stages:<{width}}  " if with_stage else "  "
-        tail = f" [{_plural(count, 'leaf', 'leaves')}] -> {spec}"
+        tail = f" [{plural(count, 'leaf', 'leaves')}] -> {spec}"
         line = lead + pattern + tail
         if len(line) <= MAX_WIDTH:
             lines.append(line)
             continue
         # Too wide: the pattern on its own line (elided in the middle if needed), then the spec.
-        lines.append(lead + _elide_middle(pattern, MAX_WIDTH - len(lead)))
-        lines.append(_clip(" " * len(lead) + "  " + tail.lstrip()))
+        lines.append(lead + elide_middle(pattern, MAX_WIDTH - len(lead)))
+        lines.append(clip_line(" " * len(lead) + "  " + tail.lstrip()))
     return lines
 
 
@@ -360,9 +422,9 @@ def _predicted(plan: Plan) -> list[str]:
     busy_s = p.compute_s + p.communication_s
     lines = [
         f"Predicted (per step, {_microbatches(plan)}, schedule {plan.schedule})",
-        f"  step time     {_format_time(p.step_time_s)}",
-        f"  compute       {_format_time(p.compute_s)}{_share(p.compute_s, busy_s)}",
-        f"  communication {_format_time(p.communication_s)}{_share(p.communication_s, busy_s)}",
+        f"  step time     {format_time(p.step_time_s)}",
+        f"  compute       {format_time(p.compute_s)}{_share(p.compute_s, busy_s)}",
+        f"  communication {format_time(p.communication_s)}{_share(p.communication_s, busy_s)}",
     ]
     # Peak memory per device type: the max over the type's devices that have a prediction.
     devices_of: dict[str, set[int]] = {}
@@ -372,10 +434,10 @@ def _predicted(plan: Plan) -> list[str]:
     for device_type, ids in devices_of.items():
         known = [p.memory_bytes[d] for d in ids if d in p.memory_bytes]
         if known:
-            peaks.append(f"{device_type} {_format_gib(max(known))} "
-                         f"(max of {_plural(len(known), 'device')})")
+            peaks.append(f"{device_type} {format_gib(max(known))} "
+                         f"(max of {plural(len(known), 'device')})")
     lines += _pack(peaks or ["not predicted"], "  peak memory   ", " " * 16, sep="; ")
-    coll = [f"{kind} {_plural(t['count'], 'op')}, {_format_bytes(t['bytes'])}"
+    coll = [f"{kind} {plural(t['count'], 'op')}, {format_bytes(t['bytes'])}"
             for kind, t in p.collectives.items()]
     lines += _pack(coll or ["none"], "  collectives   ", " " * 16, sep="; ")
     return lines
@@ -396,7 +458,7 @@ def _solver(plan: Plan) -> list[str]:
     if isinstance(candidates, Mapping) and candidates:
         # the stage planner's final pick (solver/portfolio.py): predicted / simulated per plan
         def seconds(x: object) -> str:
-            return _format_time(float(x)) if isinstance(x, int | float) else "-"
+            return format_time(float(x)) if isinstance(x, int | float) else "-"
 
         rows = [f"{name}{' (chosen)' if name == s.get('chosen') else ''} "
                 f"{seconds(c.get('step_s'))} / {seconds(c.get('simulated_step_s'))}"
@@ -422,5 +484,5 @@ def plan_summary(plan: Plan, /) -> str:
     if plan.notes:
         lines += ["", "Notes"]
         for note in plan.notes:
-            lines += _wrap(note, "  - ", "    ")
-    return "\n".join(_clip(line.rstrip()) for line in lines)
+            lines += wrap_text(note, "  - ", "    ")
+    return "\n".join(clip_line(line.rstrip()) for line in lines)

@@ -22,7 +22,7 @@ from shardplan.cluster.catalog import load_device
 from shardplan.errors import ConfigError, InfeasibleError, format_error
 from shardplan.plan import Plan
 from shardplan.plan.match import check_plan_matches
-from shardplan.plan.summary import _format_bytes
+from shardplan.plan.summary import format_bytes
 from shardplan.planner.single import graph_fingerprint
 from shardplan.planner.stamp import arg_types, cluster_info
 from shardplan.trace import trace
@@ -148,8 +148,8 @@ def check_fits(plan: Plan, figures: dict[str, Any]) -> None:
         budget = max(capacity - missed, 0)
         raise InfeasibleError(format_error(
             f"The compiled plan does not fit: program {program['name']!r} of stage {stage} "
-            f"needs {_format_bytes(need)} per device, one {st.device_type} has "
-            f"{_format_bytes(capacity)} (the plan predicted {_format_bytes(predicted)}).",
+            f"needs {format_bytes(need)} per device, one {st.device_type} has "
+            f"{format_bytes(capacity)} (the plan predicted {format_bytes(predicted)}).",
             where=f"plan.stages[{stage}] ({st.device_type}, mesh {dict(st.mesh.shape)})",
             value={"compiled_bytes": need, "capacity_bytes": capacity,
                    "predicted_bytes": predicted},

@@ -33,17 +33,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardplan.errors import ShardplanError
-from shardplan.plan.explain import _chosen_label, _peak, _runner_label
+from shardplan.plan.explain import chosen_label, peak_memory_bytes, runner_label
 from shardplan.plan.report import (
-    _bytes,
-    _num,
-    _programs,
-    _ratio,
-    _seconds,
-    _stage,
+    bytes_cell,
     compiled_collectives,
+    number_cell,
+    programs_by_stage,
+    ratio_cell,
+    seconds_cell,
+    stage_label,
 )
-from shardplan.plan.summary import _plain, compress_layers, key_pattern
+from shardplan.plan.summary import compress_layers, key_pattern, plain_json
 from shardplan.viz import data
 
 if TYPE_CHECKING:
@@ -213,14 +213,14 @@ def _finite(x: object) -> float | None:
 def _runner_ups(plan: Plan) -> dict[str, Any]:
     """The chosen plan and the runner-ups ``plan.explain()`` lists: ``[label, step time,
     peak memory, reason]`` each, the chosen one first."""
-    rows: list[list[Any]] = [[_chosen_label(plan), plan.predicted.step_time_s, _peak(plan),
-                              "chosen"]]
+    rows: list[list[Any]] = [[chosen_label(plan), plan.predicted.step_time_s,
+                              peak_memory_bytes(plan), "chosen"]]
     recorded = plan.solver.get("runner_ups")
     if isinstance(recorded, Sequence):
         for r in recorded:
             if isinstance(r, Mapping):
                 step, memory = _finite(r.get("step_time_s")), _finite(r.get("memory_bytes"))
-                rows.append([_runner_label(plan, r), step,
+                rows.append([runner_label(plan, r), step,
                              None if memory is None else int(memory),
                              str(r.get("reason", ""))])
     note = ("This plan records no runner-ups (a plan made by a shardplan that did not record "
@@ -233,7 +233,7 @@ def _runner_ups(plan: Plan) -> dict[str, Any]:
 def _figures(plan: Plan) -> dict[str, Any]:
     """``plan.report()`` as table rows: ``[label, predicted, compiled, measured, ratio]``, a
     section heading as a one-cell row."""
-    programs = _programs(plan)
+    programs = programs_by_stage(plan)
     measured: Mapping[str, Any] = plan.measured
     stage_times: Mapping[str, Any] = measured.get("stage_time_s", {})
     pipelined = len(plan.stages) > 1 or plan.microbatches > 1
@@ -249,29 +249,30 @@ def _figures(plan: Plan) -> dict[str, Any]:
         figures = [p["memory_bytes"] for p in programs.get(st.index, ())
                    if p["memory_bytes"] is not None]
         compiled = max(figures) if figures else None
-        rows.append([_stage(plan, st.index), _bytes(predicted), _bytes(compiled), "",
-                     _ratio(predicted, compiled)])
+        rows.append([stage_label(plan, st.index), bytes_cell(predicted), bytes_cell(compiled), "",
+                     ratio_cell(predicted, compiled)])
     rows.append(["FLOPs per device per step"])
     for st in plan.stages:
         flops = (plan.predicted.stage_flops[st.index]
                  if st.index < len(plan.predicted.stage_flops) else None)
         done = [float(p["flops"]) for p in programs.get(st.index, ())]
-        rows.append([_stage(plan, st.index), _num(flops), _num(sum(done) if done else None),
-                     "", _ratio(flops, sum(done) if done else None)])
+        rows.append([stage_label(plan, st.index), number_cell(flops),
+                     number_cell(sum(done) if done else None), "",
+                     ratio_cell(flops, sum(done) if done else None)])
     rows.append(["step time"])
     step = measured.get("step_time_s")
-    rows.append(["whole step", _seconds(plan.predicted.step_time_s), "", _seconds(step),
-                 _ratio(plan.predicted.step_time_s, step)])
+    rows.append(["whole step", seconds_cell(plan.predicted.step_time_s), "", seconds_cell(step),
+                 ratio_cell(plan.predicted.step_time_s, step)])
     for st in plan.stages if pipelined else ():
-        rows.append([f"{_stage(plan, st.index)} busy", "", "",
-                     _seconds(stage_times.get(str(st.index))), ""])
+        rows.append([f"{stage_label(plan, st.index)} busy", "", "",
+                     seconds_cell(stage_times.get(str(st.index))), ""])
     rows.append(["collectives per device per step (count x bytes)"])
     compiled_coll = compiled_collectives(programs)
     for kind in sorted(set(plan.predicted.collectives) | set(compiled_coll)):
         p, c = plan.predicted.collectives.get(kind), compiled_coll.get(kind)
-        rows.append([kind, f"{p['count']} x {_bytes(p['bytes'])}" if p else "-",
-                     f"{c[0]} x {_bytes(c[1])}" if c else "-", "",
-                     _ratio(p["bytes"] if p else None, c[1] if c else None)])
+        rows.append([kind, f"{p['count']} x {bytes_cell(p['bytes'])}" if p else "-",
+                     f"{c[0]} x {bytes_cell(c[1])}" if c else "-", "",
+                     ratio_cell(p["bytes"] if p else None, c[1] if c else None)])
     return {"head": head, "rows": rows}
 
 
@@ -286,7 +287,7 @@ def payload(plan: Plan, /) -> dict[str, Any]:
             "runner_ups": _runner_ups(plan), "figures": _figures(plan),
             # per-leaf alternatives, as plan.explain(tensor=...) reads them (already compact:
             # one entry per solver group, not per layer)
-            "alternatives": _plain(plan.solver.get("alternatives"))}
+            "alternatives": plain_json(plan.solver.get("alternatives"))}
 
 
 # --------------------------------------------------------------------------- the document

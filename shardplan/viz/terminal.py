@@ -37,13 +37,15 @@ from shardplan.plan.plan import natural_key
 from shardplan.plan.summary import (
     MAX_STAGE_ROWS,
     MAX_WIDTH,
-    _format_bytes,
-    _format_time,
-    _plural,
+    clip_line,
     compress_ids,
+    elide_middle,
+    format_bytes,
     format_spec,
+    format_time,
     key_pattern,
     layer_runs,
+    plural,
 )
 from shardplan.viz.data import devices, memory, parse_type
 
@@ -176,14 +178,14 @@ def _styled(lines: Iterable[str], *, styles: Mapping[str, str] = _STYLES) -> lis
 
 
 def _header(plan: Plan) -> list[str]:
-    replicas = f" in {_plural(len(plan.replicas), 'replica')}" if len(plan.replicas) > 1 else ""
+    replicas = f" in {plural(len(plan.replicas), 'replica')}" if len(plan.replicas) > 1 else ""
     size = f" of {plan.microbatch_size}" if plan.microbatch_size else ""
     chunks = f" ({plan.chunks} chunks per stage)" if plan.chunks > 1 else ""
-    return [f"Plan {plan.content_hash[:12]}: {_plural(len(plan.stages), 'stage')}{replicas}, "
-            f"{_plural(plan.num_devices, 'device')}, "
-            f"{_plural(plan.microbatches, 'microbatch', 'microbatches')}{size}, "
+    return [f"Plan {plan.content_hash[:12]}: {plural(len(plan.stages), 'stage')}{replicas}, "
+            f"{plural(plan.num_devices, 'device')}, "
+            f"{plural(plan.microbatches, 'microbatch', 'microbatches')}{size}, "
             f"schedule {plan.schedule}{chunks}",
-            f"predicted step {_format_time(plan.predicted.step_time_s)}"]
+            f"predicted step {format_time(plan.predicted.step_time_s)}"]
 
 
 def _table(*columns: str, wrap: Sequence[str] = ()) -> Table:
@@ -217,7 +219,7 @@ def _cluster(plan: Plan) -> RenderableType:
         used = [v for v in mine if v.stage is not None]
         stages = [s.index for s in plan.stages if s.device_type == kind]
         mem = capacity.get(kind)
-        table.add_row(kind, str(len(mine)), _format_bytes(mem) if mem else "-",
+        table.add_row(kind, str(len(mine)), format_bytes(mem) if mem else "-",
                       f"{len(used)} ({compress_ids(v.id for v in used)})" if used else "0",
                       str(len(mine) - len(used)), compress_ids(stages) or "-")
     name = plan.cluster_info.get("name")
@@ -275,9 +277,9 @@ def _stages(plan: Plan, width: int) -> list[Text]:
         head = (f"stage{'s' if len(members) > 1 else ''} {compress_ids(members)} "
                 f"(replica{'s' if len(replicas) > 1 else ''} {compress_ids(replicas)}): "
                 f"{kind} {mesh}, remat {remat}")
-        out.append(Text(_clip(head, width), style="bold"))
+        out.append(Text(clip_line(head, width), style="bold"))
         out += [Text(line) for line in _pack_words(
-            [f"{_plural(len(ids), 'device')}:", *compress_ids(ids).split(" ")], width, sep=" ",
+            [f"{plural(len(ids), 'device')}:", *compress_ids(ids).split(" ")], width, sep=" ",
             indent="    ")]
         out += [Text(line) for line in _pack_words(
             ["layers:", *(f"{r}," for r in layer_runs(layers))], width, sep=" ",
@@ -349,7 +351,7 @@ def _shardings(plan: Plan, width: int) -> list[RenderableType]:
         entries = [(k, spec, str(stage)) for k, (stage, spec) in plan.param_specs.items()]
         batch = [(k, v, str(plan.stages[0].index)) for k, v in plan.batch_specs.items()]
         blocks = [("", entries, batch)]
-    out: list[RenderableType] = [Text(_clip(
+    out: list[RenderableType] = [Text(clip_line(
         "  pattern [shape] → spec, ×leaves, stages; rows grouped by layer", width), style="dim")]
     for title, entries, batch in blocks:
         if title:
@@ -377,13 +379,13 @@ def _sharding_lines(rows: list[Row], batch: list[Row], width: int) -> list[str]:
         groups.setdefault(_layer_type(r[0]), []).append(r)
     for layer, members in groups.items():
         leaves = sum(r[3] for r in members)
-        lines.append(_clip(f"{layer}  ({_plural(leaves, 'leaf', 'leaves')})", width))
+        lines.append(clip_line(f"{layer}  ({plural(leaves, 'leaf', 'leaves')})", width))
         lines += [line for r in members for line in _row_lines(r, width)]
     if folded:
         leaves = sum(r[3] for r in folded)
-        lines.append(_clip(f"optimizer state: {_plural(leaves, 'leaf', 'leaves')} in "
-                           f"{_plural(len(folded), 'pattern')} sharded as their parameters",
-                           width))
+        lines.append(clip_line(f"optimizer state: {plural(leaves, 'leaf', 'leaves')} in "
+                               f"{plural(len(folded), 'pattern')} sharded as their parameters",
+                               width))
     if batch:
         lines.append("batch")
         lines += [line for r in batch for line in _row_lines(r, width)]
@@ -397,11 +399,11 @@ def _row_lines(row: Row, width: int) -> list[str]:
     if len(body) + 2 + len(tail) <= width:
         return [body.ljust(width - len(tail)) + tail]
     # Too wide: the pattern alone (elided in the middle), then shape and spec under it.
-    first = "  " + _elide_middle(pattern, width - 2)
+    first = "  " + elide_middle(pattern, width - 2)
     second = f"      {shape} → {spec}"
     if len(second) + 2 + len(tail) <= width:
         return [first, second.ljust(width - len(tail)) + tail]
-    return [first, _clip(second, width), _clip(" " * 6 + tail.strip(), width)]
+    return [first, clip_line(second, width), clip_line(" " * 6 + tail.strip(), width)]
 
 
 def _styled_rows(lines: list[str]) -> list[Text]:
@@ -424,18 +426,7 @@ def _pack_words(items: Sequence[str], width: int, indent: str = "  ",
         if lines[-1].strip() and len(lines[-1]) + len(sep) + len(item) > width:
             lines.append(indent + "  ")
         lines[-1] += (sep if lines[-1].strip() else "") + item
-    return [_clip(line, width) for line in lines]
-
-
-def _clip(line: str, width: int) -> str:
-    return line if len(line) <= width else line[:width - 3] + "..."
-
-
-def _elide_middle(text: str, width: int) -> str:
-    if len(text) <= width:
-        return text
-    keep = max(width - 3, 2)
-    return text[:keep // 2] + "..." + text[len(text) - (keep - keep // 2):]
+    return [clip_line(line, width) for line in lines]
 
 
 # --------------------------------------------------------------------------- Gantt
@@ -463,7 +454,7 @@ def _why_no_timeline(plan: Plan) -> str:
     if len(plan.stages) == 1 and plan.microbatches == 1:
         return "one stage and one microbatch: no pipeline schedule to draw"
     if len(plan.stages) == 1 or all(len(r.stages) == 1 for r in plan.replicas):
-        accumulate = _plural(plan.microbatches, "microbatch", "microbatches")
+        accumulate = plural(plan.microbatches, "microbatch", "microbatches")
         return f"no pipeline: every replica is one stage ({accumulate} accumulated)"
     return f"no simulated timeline recorded for this plan (schedule {plan.schedule})"
 
@@ -488,7 +479,7 @@ def gantt_lines(events: Sequence[TimelineLike] | None, /, *, width: int = MAX_WI
     """
     compute = [e for e in events or () if e.kind in ("forward", "backward")]
     if not compute:
-        return [_clip(f"  ({why_none})", width)]
+        return [clip_line(f"  ({why_none})", width)]
     end_s = max(e.end_s for e in compute)
     columns = max(width - LABEL_WIDTH - 3, 10)
     per_col = end_s / columns if end_s > 0 else 1.0
@@ -516,11 +507,11 @@ def gantt_lines(events: Sequence[TimelineLike] | None, /, *, width: int = MAX_WI
                  f"s{compress_ids(s for _, s in keys)}")
         label = label if len(label) <= LABEL_WIDTH else label[:LABEL_WIDTH - 1] + "…"
         lines.append(f"  {label:<{LABEL_WIDTH}} {bar}")
-    scale = f"{_format_time(end_s)}"
+    scale = f"{format_time(end_s)}"
     axis = "0".ljust(columns - len(scale)) + scale
     lines.append(f"  {'':<{LABEL_WIDTH}} {axis}")
     legend = [f"{FORWARD} forward", f"{BACKWARD} backward", f"{BUBBLE} idle (bubble)",
-              "digits: microbatch", f"1 column = {_format_time(per_col)}"]
+              "digits: microbatch", f"1 column = {format_time(per_col)}"]
     lines += _pack_words(legend, width)
     return lines
 
@@ -565,8 +556,8 @@ def memory_lines(plan: Plan, /, *, width: int = MAX_WIDTH) -> list[str]:
         if len(mine) > 1:
             rest = sum(len(groups[key]) for key in mine[1:-1])
             if rest:
-                lines.append(_clip(f"  ... {rest} more {kind} devices, their peaks between "
-                                   "these two", width))
+                lines.append(clip_line(f"  ... {rest} more {kind} devices, their peaks between "
+                                       "these two", width))
             lines += draw(mine[0])
     return lines
 
@@ -583,23 +574,23 @@ def _memory_group(key: _MemoryKey, ids: list[int], stages: list[int], largest: i
                   bar_width: int, width: int) -> list[str]:
     kind, params, grads, opt, other, _, capacity, compiled = key
     stage_ids = sorted(set(stages))
-    lines = [_clip(f"{kind} × {len(ids)}: device{'s' if len(ids) > 1 else ''} "
-                   f"{compress_ids(ids)} (stage{'s' if len(stage_ids) > 1 else ''} "
-                   f"{compress_ids(stage_ids)})", width)]
+    lines = [clip_line(f"{kind} × {len(ids)}: device{'s' if len(ids) > 1 else ''} "
+                       f"{compress_ids(ids)} (stage{'s' if len(stage_ids) > 1 else ''} "
+                       f"{compress_ids(stage_ids)})", width)]
     total = _peak(key)
     bar = _bar([(PARAMS, params), (GRADS, grads), (OPTIMIZER, opt), (OTHER, other)],
                capacity or largest or 1, bar_width)
-    against = (f"of {_format_bytes(capacity)} capacity ({100 * total / capacity:.1f} %)"
+    against = (f"of {format_bytes(capacity)} capacity ({100 * total / capacity:.1f} %)"
                if capacity else "(capacity unknown: no cluster outline in the plan)")
     over = " EXCEEDS CAPACITY" if capacity and total > capacity else ""
-    lines.append(_clip(f"  {bar} {_format_bytes(total)} {against}{over}", width))
-    lines += _pack_words([f"{PARAMS} parameters {_format_bytes(params)}",
-                          f"{GRADS} gradients {_format_bytes(grads)}",
-                          f"{OPTIMIZER} optimizer {_format_bytes(opt)}",
-                          f"{OTHER} other {_format_bytes(other)}"], width)
+    lines.append(clip_line(f"  {bar} {format_bytes(total)} {against}{over}", width))
+    lines += _pack_words([f"{PARAMS} parameters {format_bytes(params)}",
+                          f"{GRADS} gradients {format_bytes(grads)}",
+                          f"{OPTIMIZER} optimizer {format_bytes(opt)}",
+                          f"{OTHER} other {format_bytes(other)}"], width)
     if compiled is not None:
-        lines.append(_clip(f"  compiled (XLA, largest program): {_format_bytes(compiled)}",
-                           width))
+        lines.append(clip_line(f"  compiled (XLA, largest program): {format_bytes(compiled)}",
+                               width))
     return lines
 
 
