@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +18,7 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from sigkill import kill_while_saving
 
 import models
 from shardplan.errors import CheckpointError, ConfigError
@@ -229,30 +227,17 @@ def test_a_damaged_latest_step_names_the_intact_one(tmp_path: Path) -> None:
         _assert_bit_equal(ckpt.restore(1, target=target).state, _small_state(1))
 
 
-_KILLED_SAVE = textwrap.dedent("""
-    import sys, time
+_KILLED_SAVE = """
+    import sys
     import jax.numpy as jnp
-    from orbax.checkpoint._src.path import atomicity
     from shardplan.train.checkpoint import Checkpointer
 
-    directory, stall_at, marker = sys.argv[1:]
-    finalize = atomicity.AtomicRenameTemporaryPath.finalize
-
-    async def stalled(self):
-        # Test hook: stop forever at one point of step 2's save, so that the parent's SIGKILL
-        # lands there every time (no race on the save's speed).
-        if str(self.get()).endswith(stall_at):
-            open(marker, "w").close()
-            time.sleep(600)
-        return await finalize(self)
-
-    atomicity.AtomicRenameTemporaryPath.finalize = stalled
-    ckpt = Checkpointer(directory, every_steps=1, keep=3)
+    ckpt = Checkpointer(sys.argv[1], every_steps=1, keep=3)
     for step in (1, 2):
         state = {"params": {"w": jnp.full((512, 512), float(step))}, "step": jnp.asarray(step)}
         ckpt.save(step, state, meta={"step": step})
     print("the save was not stopped", flush=True)
-""")
+"""
 
 
 @pytest.mark.parametrize(
@@ -270,24 +255,8 @@ def test_a_save_killed_by_sigkill_leaves_the_previous_step(tmp_path: Path, stall
         XLA_FLAGS="--xla_force_host_platform_device_count=8",
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     )
-    child = subprocess.Popen(
-        [sys.executable, "-c", _KILLED_SAVE, str(directory), stall_at, str(marker)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while not marker.exists() and child.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert marker.exists(), child.communicate(timeout=60)[0][-3000:]
-        os.kill(child.pid, signal.SIGKILL)
-        assert child.wait(timeout=60) == -signal.SIGKILL
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
+    kill_while_saving(_KILLED_SAVE, [str(directory)], stall_at=stall_at, marker=marker,
+                      env=env, timeout_s=120)
     assert (directory / "2.orbax-checkpoint-tmp").is_dir()  # the killed save's leftover
 
     def state(step: int) -> dict[str, Any]:

@@ -11,16 +11,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
-import textwrap
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from sigkill import kill_while_saving
 
 import shardplan as sp
 from shardplan.train.config import load_run_config
@@ -52,29 +50,17 @@ def uninterrupted(tmp_path_factory):
     return _run(tmp_path_factory.mktemp("whole"))
 
 
-_KILLED = textwrap.dedent("""
-    import sys, time
+_KILLED = """
+    import sys
     import jax
     jax.config.update("jax_num_cpu_devices", 8)
-    from orbax.checkpoint._src.path import atomicity
     from shardplan.train.config import load_run_config
     from shardplan.train.loop import train
 
-    marker, stall_at, config, *overrides = sys.argv[1:]
-    finalize = atomicity.AtomicRenameTemporaryPath.finalize
-
-    async def stalled(self):
-        # Test hook: stop in the middle of this checkpoint's save, so that the parent's
-        # SIGKILL lands there every time.
-        if str(self.get()).endswith(stall_at):
-            open(marker, "w").close()
-            time.sleep(600)
-        return await finalize(self)
-
-    atomicity.AtomicRenameTemporaryPath.finalize = stalled
+    config, *overrides = sys.argv[1:]
     train(load_run_config(config, overrides), progress=False)
     print("the run was not stopped", flush=True)
-""")
+"""
 
 
 def test_a_run_killed_while_saving_resumes_exactly_as_if_never_stopped(uninterrupted,
@@ -85,22 +71,9 @@ def test_a_run_killed_while_saving_resumes_exactly_as_if_never_stopped(uninterru
     run_dir, marker = tmp_path / "run", tmp_path / "stalled"
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    child = subprocess.Popen(
-        [sys.executable, "-c", _KILLED, str(marker),
-         "4.orbax-checkpoint-tmp/state.orbax-checkpoint-tmp", TINY, *BASE,
-         f"--output.dir={run_dir}"], env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 300
-        while not marker.exists() and child.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert marker.exists(), child.communicate(timeout=60)[0][-3000:]
-        os.kill(child.pid, signal.SIGKILL)
-        assert child.wait(timeout=60) == -signal.SIGKILL
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait()
+    kill_while_saving(_KILLED, [TINY, *BASE, f"--output.dir={run_dir}"],
+                      stall_at="4.orbax-checkpoint-tmp/state.orbax-checkpoint-tmp",
+                      marker=marker, env=env)
     assert (run_dir / "checkpoints" / "4.orbax-checkpoint-tmp").is_dir()
     resumed = _run(run_dir)
     assert (resumed.first_step, resumed.last_step) == (2, STEPS)
@@ -174,6 +147,15 @@ def test_a_nan_loss_stops_the_run_naming_the_step_and_keeps_the_checkpoint(tmp_p
              "--optimizer.clip_norm=1.0e+30")
     checkpoints = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert checkpoints == ["2"]
+
+
+def test_running_a_finished_run_again_trains_nothing(uninterrupted) -> None:
+    printed: list[str] = []
+    again = train(_config(uninterrupted.run_dir), progress=False, print_fn=printed.append)
+    assert (again.first_step, again.last_step, again.losses) == (STEPS, STEPS, ())
+    assert again.val_losses == {} and again.sample == ""
+    assert any("the run is complete (step 6 of train.steps=6)" in line for line in printed)
+    _bit_equal(again.state, uninterrupted.state)
 
 
 def test_another_models_checkpoints_are_refused_naming_the_leaf(uninterrupted) -> None:

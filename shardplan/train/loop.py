@@ -233,6 +233,11 @@ def train(
         restored = checkpoints.restore(latest, target=target)
         state, first = restored.state, restored.step
         print_fn(f"resumed from step {first} ({checkpoints.step_dir(first)})")
+        if first >= config.train.steps:  # a finished run: nothing to train, evaluate or sample
+            checkpoints.close()
+            print_fn(f"the run is complete (step {first} of train.steps={config.train.steps}); "
+                     "raise train.steps to continue it, or use another output.dir")
+            return RunResult(run_dir, first, first, (), {}, "", run.plan, state)
 
     forward = _forward(graphdef)
     eval_loss = _eval_loss(forward)
