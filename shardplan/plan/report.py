@@ -16,8 +16,17 @@ from typing import Any
 from shardplan.plan.plan import Plan
 from shardplan.plan.summary import format_bytes, format_time
 
-__all__ = ["bytes_cell", "compiled_collectives", "number_cell", "plan_report", "programs_by_stage",
-           "ratio_cell", "seconds_cell", "stage_label"]
+__all__ = [
+    "bytes_cell",
+    "compiled_collectives",
+    "number_cell",
+    "plan_report",
+    "programs_by_stage",
+    "ratio_cell",
+    "report_table",
+    "seconds_cell",
+    "stage_label",
+]
 
 _ROW = "  {:<28} {:>16} {:>16} {:>16} {:>8}"
 
@@ -100,59 +109,64 @@ def compiled_collectives(programs: Mapping[int, Sequence[Mapping[str, Any]]], /
     return total
 
 
-def plan_report(plan: Plan, /) -> str:
-    """The text of :meth:`Plan.report` (at most 100 columns, no colour codes)."""
+def report_table(plan: Plan, /) -> tuple[list[str], list[list[str]]]:
+    """What :meth:`Plan.report` shows, as data: the lines saying what was compiled and
+    measured, and the table rows ``[label, predicted, compiled, measured, ratio]`` with each
+    section's heading as a one-cell row (the text report and the HTML report render these)."""
     programs = programs_by_stage(plan)
     measured: Mapping[str, Any] = plan.measured
     stage_times: Mapping[str, Any] = measured.get("stage_time_s", {})
     pipelined = len(plan.stages) > 1 or plan.microbatches > 1
-    lines = [f"Plan {plan.content_hash[:12]}: predicted | compiled | measured"]
     backend = plan.compiled.get("backend")
-    lines.append(
-        f"  compiled: {sum(map(len, programs.values()))} program(s) on {backend}" if backend
-        else "  compiled: - (the plan has not run: sp.apply_plan / sp.auto record it)")
-    lines.append(f"  measured: median of {measured['steps']} steps" if measured
-                 else "  measured: - (recorded after the first timed steps)")
-    if pipelined and programs:
-        lines.append("  (pipeline stages run several programs: compiled memory is the largest")
-        lines.append("   one, compiled FLOPs the sum of the stage's programs for one microbatch)")
-    lines += ["", _ROW.format("", "predicted", "compiled", "measured", "ratio")]
-    lines.append("  memory per device (peak)")
+    head = [f"compiled: {sum(map(len, programs.values()))} program(s) on {backend}" if backend
+            else "compiled: - (the plan has not run: sp.apply_plan / sp.auto record it)",
+            f"measured: median of {measured['steps']} steps" if measured
+            else "measured: - (recorded after the first timed steps)"]
+    rows: list[list[str]] = [["memory per device (peak)"]]
     for st in plan.stages:
         predicted = max((plan.predicted.memory_bytes.get(d, 0) for d in st.mesh.device_ids),
                         default=None)
         figures = [p["memory_bytes"] for p in programs.get(st.index, ())
                    if p["memory_bytes"] is not None]
         compiled = max(figures) if figures else None
-        lines.append(_ROW.format(stage_label(plan, st.index), bytes_cell(predicted),
-                                 bytes_cell(compiled), "", ratio_cell(predicted, compiled)))
-    lines.append("  FLOPs per device per step")
+        rows.append([stage_label(plan, st.index), bytes_cell(predicted), bytes_cell(compiled), "",
+                     ratio_cell(predicted, compiled)])
+    rows.append(["FLOPs per device per step"])
     for st in plan.stages:
-        predicted_flops = (plan.predicted.stage_flops[st.index]
-                           if st.index < len(plan.predicted.stage_flops) else None)
-        flops = [float(p["flops"]) for p in programs.get(st.index, ())]
-        compiled_flops = sum(flops) if flops else None
-        lines.append(_ROW.format(stage_label(plan, st.index), number_cell(predicted_flops),
-                                 number_cell(compiled_flops), "",
-                                 ratio_cell(predicted_flops, compiled_flops)))
-    lines.append("  step time")
-    lines.append(_ROW.format("whole step", seconds_cell(plan.predicted.step_time_s), "",
-                             seconds_cell(measured.get("step_time_s")),
-                             ratio_cell(plan.predicted.step_time_s, measured.get("step_time_s"))))
+        flops = (plan.predicted.stage_flops[st.index]
+                 if st.index < len(plan.predicted.stage_flops) else None)
+        done = [float(p["flops"]) for p in programs.get(st.index, ())]
+        rows.append([stage_label(plan, st.index), number_cell(flops),
+                     number_cell(sum(done) if done else None), "",
+                     ratio_cell(flops, sum(done) if done else None)])
+    rows.append(["step time"])
+    step = measured.get("step_time_s")
+    rows.append(["whole step", seconds_cell(plan.predicted.step_time_s), "", seconds_cell(step),
+                 ratio_cell(plan.predicted.step_time_s, step)])
     for st in plan.stages if pipelined else ():
-        lines.append(_ROW.format(f"{stage_label(plan, st.index)} busy", "", "",
-                                 seconds_cell(stage_times.get(str(st.index))), ""))
-    lines.append("  collectives per device per step (count x bytes)")
+        rows.append([f"{stage_label(plan, st.index)} busy", "", "",
+                     seconds_cell(stage_times.get(str(st.index))), ""])
+    rows.append(["collectives per device per step (count x bytes)"])
     compiled_coll = compiled_collectives(programs)
-    kinds = sorted(set(plan.predicted.collectives) | set(compiled_coll))
-    for kind in kinds:
-        p = plan.predicted.collectives.get(kind)
-        c = compiled_coll.get(kind)
-        lines.append(_ROW.format(
-            kind, f"{p['count']} x {bytes_cell(p['bytes'])}" if p else "-",
-            f"{c[0]} x {bytes_cell(c[1])}" if c else "-", "",
-            ratio_cell(p["bytes"] if p else None, c[1] if c else None)))
-    if not kinds:
+    for kind in sorted(set(plan.predicted.collectives) | set(compiled_coll)):
+        p, c = plan.predicted.collectives.get(kind), compiled_coll.get(kind)
+        rows.append([kind, f"{p['count']} x {bytes_cell(p['bytes'])}" if p else "-",
+                     f"{c[0]} x {bytes_cell(c[1])}" if c else "-", "",
+                     ratio_cell(p["bytes"] if p else None, c[1] if c else None)])
+    return head, rows
+
+
+def plan_report(plan: Plan, /) -> str:
+    """The text of :meth:`Plan.report` (at most 100 columns, no colour codes)."""
+    head, rows = report_table(plan)
+    lines = [f"Plan {plan.content_hash[:12]}: predicted | compiled | measured"]
+    lines += [f"  {line}" for line in head]
+    if (len(plan.stages) > 1 or plan.microbatches > 1) and programs_by_stage(plan):
+        lines.append("  (pipeline stages run several programs: compiled memory is the largest")
+        lines.append("   one, compiled FLOPs the sum of the stage's programs for one microbatch)")
+    lines += ["", _ROW.format("", "predicted", "compiled", "measured", "ratio")]
+    lines += [f"  {row[0]}" if len(row) == 1 else _ROW.format(*row) for row in rows]
+    if len(rows[-1]) == 1:  # the collectives' heading, with no kind under it
         lines.append("  (none predicted or compiled)")
     return "\n".join(line.rstrip() for line in lines)
 

@@ -34,15 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from shardplan.errors import ShardplanError
 from shardplan.plan.explain import chosen_label, peak_memory_bytes, runner_label
-from shardplan.plan.report import (
-    bytes_cell,
-    compiled_collectives,
-    number_cell,
-    programs_by_stage,
-    ratio_cell,
-    seconds_cell,
-    stage_label,
-)
+from shardplan.plan.report import report_table
 from shardplan.plan.summary import compress_layers, key_pattern, plain_json
 from shardplan.viz import data
 
@@ -231,48 +223,8 @@ def _runner_ups(plan: Plan) -> dict[str, Any]:
 
 
 def _figures(plan: Plan) -> dict[str, Any]:
-    """``plan.report()`` as table rows: ``[label, predicted, compiled, measured, ratio]``, a
-    section heading as a one-cell row."""
-    programs = programs_by_stage(plan)
-    measured: Mapping[str, Any] = plan.measured
-    stage_times: Mapping[str, Any] = measured.get("stage_time_s", {})
-    pipelined = len(plan.stages) > 1 or plan.microbatches > 1
-    backend = plan.compiled.get("backend")
-    head = [f"compiled: {sum(map(len, programs.values()))} program(s) on {backend}" if backend
-            else "compiled: - (the plan has not run: sp.apply_plan / sp.auto record it)",
-            f"measured: median of {measured['steps']} steps" if measured
-            else "measured: - (recorded after the first timed steps)"]
-    rows: list[list[str]] = [["memory per device (peak)"]]
-    for st in plan.stages:
-        predicted = max((plan.predicted.memory_bytes.get(d, 0) for d in st.mesh.device_ids),
-                        default=None)
-        figures = [p["memory_bytes"] for p in programs.get(st.index, ())
-                   if p["memory_bytes"] is not None]
-        compiled = max(figures) if figures else None
-        rows.append([stage_label(plan, st.index), bytes_cell(predicted), bytes_cell(compiled), "",
-                     ratio_cell(predicted, compiled)])
-    rows.append(["FLOPs per device per step"])
-    for st in plan.stages:
-        flops = (plan.predicted.stage_flops[st.index]
-                 if st.index < len(plan.predicted.stage_flops) else None)
-        done = [float(p["flops"]) for p in programs.get(st.index, ())]
-        rows.append([stage_label(plan, st.index), number_cell(flops),
-                     number_cell(sum(done) if done else None), "",
-                     ratio_cell(flops, sum(done) if done else None)])
-    rows.append(["step time"])
-    step = measured.get("step_time_s")
-    rows.append(["whole step", seconds_cell(plan.predicted.step_time_s), "", seconds_cell(step),
-                 ratio_cell(plan.predicted.step_time_s, step)])
-    for st in plan.stages if pipelined else ():
-        rows.append([f"{stage_label(plan, st.index)} busy", "", "",
-                     seconds_cell(stage_times.get(str(st.index))), ""])
-    rows.append(["collectives per device per step (count x bytes)"])
-    compiled_coll = compiled_collectives(programs)
-    for kind in sorted(set(plan.predicted.collectives) | set(compiled_coll)):
-        p, c = plan.predicted.collectives.get(kind), compiled_coll.get(kind)
-        rows.append([kind, f"{p['count']} x {bytes_cell(p['bytes'])}" if p else "-",
-                     f"{c[0]} x {bytes_cell(c[1])}" if c else "-", "",
-                     ratio_cell(p["bytes"] if p else None, c[1] if c else None)])
+    """``plan.report()`` as table rows (:func:`shardplan.plan.report.report_table`)."""
+    head, rows = report_table(plan)
     return {"head": head, "rows": rows}
 
 
