@@ -113,6 +113,38 @@ def _local_device_count(config: RunConfig) -> int | None:
     return None
 
 
+def _cpu_devices(config: RunConfig) -> int | None:
+    """How many CPU devices this process makes (on CPU the devices are emulated; a GPU backend
+    ignores it): the cluster's, split evenly over the processes under ``shardplan launch``
+    unless it was given ``--cpu-devices``; None leaves jax's choice (XLA_FLAGS set, or a
+    cluster without a device count).
+
+    Raises:
+      ConfigError: the cluster's devices do not split evenly over the processes.
+    """
+    import os
+
+    from shardplan.runtime.distributed import CPU_DEVICES, NUM_PROCESSES
+
+    wanted = _local_device_count(config)
+    if not wanted or "device_count" in os.environ.get("XLA_FLAGS", ""):
+        return None
+    processes = int(os.environ.get(NUM_PROCESSES) or 1)
+    if processes == 1:
+        return wanted
+    if int(os.environ.get(CPU_DEVICES) or 0):
+        return None  # the launcher's --cpu-devices decides
+    if wanted % processes:
+        from shardplan.errors import ConfigError, format_error
+
+        raise ConfigError(format_error(
+            "The cluster's devices do not split evenly over the processes.",
+            where="cluster (shardplan launch --nprocs)",
+            value={"devices": wanted, "processes": processes},
+            remedy=f"launch a divisor of {wanted} processes, or give --cpu-devices"))
+    return wanted // processes
+
+
 def train_main(path: str, overrides: Sequence[str]) -> int:
     """``shardplan train config.yaml [--section.key=value ...]``."""
     import os
@@ -122,40 +154,20 @@ def train_main(path: str, overrides: Sequence[str]) -> int:
     from shardplan.train.config import load_run_config
 
     config = load_run_config(path, overrides)
-    from shardplan.runtime.distributed import (
-        CPU_DEVICES,
-        NUM_PROCESSES,
-        initialize_distributed,
-    )
+    from shardplan.runtime.distributed import NUM_PROCESSES, initialize_distributed
 
-    # On CPU the devices are emulated: make as many as the cluster has, split evenly over the
-    # processes under `shardplan launch` unless it was given --cpu-devices (a GPU backend
-    # ignores this).
-    wanted = _local_device_count(config)
-    if wanted and not os.environ.get("XLA_FLAGS", "").count("device_count"):
-        processes = int(os.environ.get(NUM_PROCESSES) or 1)
-        if processes > 1 and not int(os.environ.get(CPU_DEVICES) or 0):
-            if wanted % processes:
-                from shardplan.errors import ConfigError, format_error
-
-                raise ConfigError(format_error(
-                    "The cluster's devices do not split evenly over the processes.",
-                    where="cluster (shardplan launch --nprocs)",
-                    value={"devices": wanted, "processes": processes},
-                    remedy=f"launch a divisor of {wanted} processes, or give --cpu-devices"))
-            jax.config.update("jax_num_cpu_devices", wanted // processes)
-        elif processes == 1:
-            jax.config.update("jax_num_cpu_devices", wanted)
+    devices = _cpu_devices(config)
+    if devices:
+        jax.config.update("jax_num_cpu_devices", devices)
     if os.environ.get(NUM_PROCESSES):
         initialize_distributed()  # under `shardplan launch`: one process of the job
     from shardplan.train.loop import train
 
     local = config.cluster.local
-    if jax.default_backend() == "cpu" and local is not None and local.types \
-            and jax.process_index() == 0:
+    main_process = jax.process_index() == 0
+    if jax.default_backend() == "cpu" and local is not None and local.types and main_process:
         print("note: the device types are emulated on CPU devices; the plan is made for "
               f"{dict(local.types)}, and CPU timings say nothing about them")
-    main_process = jax.process_index() == 0
     result = train(config, progress=sys.stderr.isatty())
     if not main_process:
         return 0

@@ -32,6 +32,9 @@ from shardplan.kernels.registry import PREFIX, call
 
 __all__ = ["BWD_NAME", "FWD_NAME", "flash_attention", "flash_attention_reference"]
 
+# (Past 600 lines: three Pallas kernels, their launch wrappers and the custom_vjp share the
+# static options and masking helpers; splitting forward from backward would export those.)
+
 FWD_NAME = f"{PREFIX}flash_attention_fwd"
 """``params["name"]`` of the forward kernel's ``jit`` equation."""
 

@@ -115,7 +115,7 @@ def _attention_flops(shapes: Shapes, static: Mapping[str, Any], *, backward: boo
     q, k = shapes[0], shapes[1]
     b, s, h, d = q
     t = k[1]
-    causal = bool(static.get("causal", True))
+    causal = bool(getattr(static.get("opts"), "causal", True))  # the kernel's static options
     pairs = (s * t - (s * (s - 1)) / 2 if s == t else s * t / 2) if causal else s * t
     forward = 4.0 * b * h * d * pairs  # q k^T and p v: 2 FLOPs per multiply-add, 2 matmuls
     # The backward recomputes p (one matmul) and forms dv, dp, dq, dk (four): 2.5x forward.

@@ -63,6 +63,9 @@ from shardplan.trace.graph import Op, OpGraph
 __all__ = ["IntraOpCosts", "IntraOpLayout", "MeshCollectives", "RooflineTable", "StepFacts",
            "factor_sizes_of", "intraop_layout", "layout_signature", "step_facts"]
 
+# (Past 600 lines: the layout walk mirrors build_intraop_problem step by step, and its numpy
+# pricing reuses the walk's node and edge bookkeeping; tests/test_layout.py keeps them equal.)
+
 
 def layout_signature(graph: OpGraph, mesh: LogicalMesh, *,
                      factor_sizes: Sequence[int] | None = None) -> Hashable:

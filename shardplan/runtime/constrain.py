@@ -80,7 +80,7 @@ def constrained(fn: Callable[..., Any], args: Sequence[Any],
     return run
 
 
-def literal_in(eqn: Any) -> bool:
+def _literal_in(eqn: Any) -> bool:
     """Whether an operand of ``eqn`` is a literal."""
     return any(isinstance(v, jex_core.Literal) for v in eqn.invars)
 
@@ -165,7 +165,7 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], prefix: tu
                       for var, v in zip(eqn.invars, values, strict=True)]
         kernel = str(eqn.params.get("name", "")) if eqn.primitive.name in ("pjit", "jit") else ""
         inner = call_like_jaxpr(eqn) if path in inlined else None
-        if pinned is not None and kernel.startswith(KERNEL_PREFIX) and not literal_in(eqn):
+        if pinned is not None and kernel.startswith(KERNEL_PREFIX) and not _literal_in(eqn):
             outs = _split_kernel(kernel, eqn, values, pinned)
         elif inner is not None:
             literal_positions = frozenset(k for k, v in enumerate(eqn.invars) if is_literal(v))

@@ -78,6 +78,10 @@ from shardplan.solver.simulate import device_order
 
 __all__ = ["PipelinedStep", "placeholder"]
 
+# (Past 600 lines: the driver is one class, PipelinedStep, whose placement, schedule,
+# per-program compile and check, and transfers share its prepared state; the program cutting
+# already lives in partition.py and accumulate.py.)
+
 
 def _labels(step: Callable[..., Any], state: Any, batch: Any,
             ) -> tuple[dict[int, frozenset[str]], list[str],

@@ -98,6 +98,9 @@ __all__ = [
     "megatron_grid",
 ]
 
+# (Past 600 lines: the data-parallel and Megatron-style baselines share the per-group layer
+# tables and the device allocation; each baseline alone is short.)
+
 BOUND_SLACK = 1e-9
 """Relative slack on the lower bounds and the memory pre-check: they are sums in another order
 than :func:`evaluate_pipeline`'s, so they may differ from its figures by a few ulps; the

@@ -273,18 +273,9 @@ class _Builder:
         if rule_for(name) is None:
             self.unknown.setdefault(f"{KERNEL}:{name}", self.source(eqn))
         call = recorded(name, in_avals)
-        # The static options the cost needs (flash attention's ``causal``), read off the call
-        # the kernel recorded; a kernel traced elsewhere is costed with the rule's defaults.
-        static: dict[str, Any] = {}
-        if call is not None:
-            for key, value in call.static.items():
-                if dataclasses.is_dataclass(value) and not isinstance(value, type):
-                    static.update({f.name: getattr(value, f.name)
-                                   for f in dataclasses.fields(value)
-                                   if isinstance(getattr(value, f.name), bool)})
-                elif isinstance(value, bool):
-                    static[key] = value
-        params = {"name": name, "static": static}
+        # The cost reads the call's static options (flash attention's ``causal``); a kernel
+        # traced elsewhere is costed with the rule's defaults.
+        params = {"name": name, "static": dict(call.static) if call is not None else {}}
         return list(self.add_op(KERNEL, in_ids, in_avals, out_avals, params, count=count,
                                 trips=trips, stack=stack, source=self.source(eqn), loop=loop,
                                 attrs={"kernel": name}, path=path))

@@ -60,6 +60,9 @@ from shardplan.train._owned import (
 
 __all__ = ["Checkpointer", "LeafInfo", "Restored", "abstract_target", "leaf_infos"]
 
+# (Past 600 lines: the orbax wiring and the leaf checks that name what differs in a
+# checkpoint; the checks could move to a module of their own.)
+
 _STATE, _OWNED, _TREE, _META = "state", "owned", "tree", "meta"
 FORMAT_VERSION = 1
 """Version of the ``tree`` item's layout; bumped when it changes incompatibly."""

@@ -195,8 +195,9 @@ def train(
     # Solved (or loaded and checked) once, by process 0, so every process runs the same plan.
     made = (_plan(config, step_fn, abstract_state, abstract_batch(config.data), cluster)
             if main else None)
-    plan = made if made is not None and jax.process_count() == 1 else Plan.from_json(
-        from_main(made.to_json().encode() if made is not None else None).decode())
+    plan = Plan.from_json(from_main(made.to_json().encode() if made else None).decode()) \
+        if jax.process_count() > 1 else made
+    assert plan is not None
     if main:
         _write_plan(run_dir, plan)
     summary = plan.summary().splitlines()

@@ -30,8 +30,8 @@ from shardplan.plan.summary import key_pattern
 if TYPE_CHECKING:
     from shardplan.plan.plan import MeshSpec, Plan, Spec, Stage
 
-__all__ = ["DeviceView", "MemoryView", "TensorView", "Tile", "devices", "dtype_bytes",
-           "memory", "parse_type", "tensors", "tiles"]
+__all__ = ["DeviceView", "MemoryView", "TensorView", "Tile", "capacities", "devices",
+           "dtype_bytes", "memory", "parse_type", "tensors", "tiles"]
 
 _TYPE = re.compile(r"^([A-Za-z0-9_]+)\[([0-9, ]*)\]$")
 _OPTIMIZER_PARTS = frozenset({"opt_state", "mu", "nu", "count", "momentum", "trace"})
@@ -244,12 +244,16 @@ class MemoryView:
     compiled: int | None
 
 
-def _capacity(plan: Plan, device_type: str) -> int | None:
+def capacities(plan: Plan, /) -> dict[str, int | None]:
+    """Per device type of the plan's cluster outline, its memory in bytes (``None`` where the
+    plan records none)."""
     info = plan.cluster_info.get("device_types", {})
-    entry = info.get(device_type) if isinstance(info, Mapping) else None
-    if isinstance(entry, Mapping) and entry.get("memory_bytes"):
-        return int(entry["memory_bytes"])
-    return None
+    out: dict[str, int | None] = {}
+    if isinstance(info, Mapping):
+        for name, entry in info.items():
+            mem = entry.get("memory_bytes") if isinstance(entry, Mapping) else None
+            out[str(name)] = int(mem) if mem else None
+    return out
 
 
 def _compiled_by_stage(plan: Plan) -> dict[int, int]:
@@ -290,6 +294,7 @@ def memory(plan: Plan, /) -> list[MemoryView]:
         for kind, size in kinds.items():
             held.setdefault(index, {})[kind] = held.get(index, {}).get(kind, 0) + size
     compiled = _compiled_by_stage(plan)
+    capacity = capacities(plan)
     out = []
     for s in plan.stages:
         mine = held.get(s.index, {})
@@ -298,7 +303,7 @@ def memory(plan: Plan, /) -> list[MemoryView]:
             peak = plan.predicted.memory_bytes.get(d)
             other = max(0, peak - 2 * params - opt) if peak is not None else 0
             out.append(MemoryView(d, s.device_type, s.index, params, params, opt, other,
-                                  peak, _capacity(plan, s.device_type), compiled.get(s.index)))
+                                  peak, capacity.get(s.device_type), compiled.get(s.index)))
     return sorted(out, key=lambda m: m.device)
 
 

@@ -33,9 +33,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardplan.errors import ShardplanError
-from shardplan.plan.explain import chosen_label, peak_memory_bytes, runner_label
+from shardplan.plan.explain import (
+    chosen_label,
+    peak_memory_bytes,
+    runner_label,
+    starred_values,
+)
 from shardplan.plan.report import report_table
-from shardplan.plan.summary import compress_layers, key_pattern, plain_json
+from shardplan.plan.summary import compress_layers, plain_json
 from shardplan.viz import data
 
 if TYPE_CHECKING:
@@ -96,12 +101,6 @@ def _fill(pattern: str, values: Sequence[str]) -> str | None:
     return "/".join(out) if not rest else None
 
 
-def _starred(path: str, pattern: str) -> list[str]:
-    return [part[len(pat) - 1:] for part, pat in zip(path.split("/"), pattern.split("/"),
-                                                     strict=False)
-            if pat == "*" or pat.endswith("_*")]
-
-
 def _tensors(plan: Plan) -> dict[str, Any]:
     """Tensors grouped: ``{"specs": [...], "groups": [[pattern, kind, stage, spec index, dtype,
     shape, bytes per device, members]]}``; a member is its starred values joined by ``,``, or
@@ -112,10 +111,10 @@ def _tensors(plan: Plan) -> dict[str, Any]:
         spec = [list(dim) for dim in t.spec]
         if spec not in specs:
             specs.append(spec)
-        pattern = key_pattern(t.path)
+        pattern = t.pattern
         key = (pattern, t.kind, t.stage, specs.index(spec), t.dtype, t.shape,
                t.bytes_per_device)
-        values = _starred(t.path, pattern)
+        values = starred_values(t.path)
         member: str | list[str] = (",".join(values) if _fill(pattern, values) == t.path
                                    and all("," not in v for v in values) else [t.path])
         groups.setdefault(key, []).append(member)

@@ -47,12 +47,15 @@ from shardplan.plan.summary import (
     layer_runs,
     plural,
 )
-from shardplan.viz.data import devices, memory, parse_type
+from shardplan.viz.data import capacities, devices, memory, parse_type
 
 if TYPE_CHECKING:
     from shardplan.plan.plan import Plan, Spec
 
 __all__ = ["TimelineLike", "gantt_lines", "memory_lines", "show", "show_text"]
+
+# (Past 600 lines: one short renderer per section of `shardplan show`, sharing the console
+# settings and the width handling; the figures themselves come from viz/data.py.)
 
 FORWARD, BACKWARD, BUBBLE = "▒", "█", "·"
 """Gantt marks: a forward pass, a backward pass, an idle stage (a pipeline bubble)."""
@@ -198,19 +201,9 @@ def _table(*columns: str, wrap: Sequence[str] = ()) -> Table:
     return table
 
 
-def _capacities(plan: Plan) -> dict[str, int | None]:
-    info = plan.cluster_info.get("device_types", {})
-    out: dict[str, int | None] = {}
-    if isinstance(info, Mapping):
-        for name, entry in info.items():
-            mem = entry.get("memory_bytes") if isinstance(entry, Mapping) else None
-            out[str(name)] = int(mem) if mem else None
-    return out
-
-
 def _cluster(plan: Plan) -> RenderableType:
     views = devices(plan)
-    capacity = _capacities(plan)
+    capacity = capacities(plan)
     kinds = list(dict.fromkeys([v.device_type for v in views] + list(capacity)))
     table = _table("device type", "devices", "memory each", "used", "idle", "stages",
                    wrap=("used", "stages"))
