@@ -102,7 +102,7 @@ def test_a_member_the_relaxation_does_not_settle_is_solved_as_best_mesh_does(
         graph, monkeypatch) -> None:
     from shardplan.solver.family import ProblemFamily
 
-    monkeypatch.setattr(ProblemFamily, "solve", lambda self, *costs: None)
+    monkeypatch.setattr(ProblemFamily, "solve", lambda self, *costs, **options: None)
     search = MeshSearch(graph, CLUSTER, tie_period=1, relative_gap=0.01)
     ids = CLUSTER.groups[0].device_ids[:4]
     got = search.best(ids)

@@ -20,8 +20,11 @@ replaced by ones that hold for *every* member of the family:
   folded into that end's costs (the separable case of ``reduce``'s folding that holds for
   every member).
 
-An integral relaxed optimum is an optimum of the ILP (see ``ilp._lp_relaxation``); a fractional
-one, or a member the family refuses, is the caller's to solve with :func:`~shardplan.solver.solve`.
+An integral relaxed optimum is an optimum of the ILP (see ``ilp._lp_relaxation``). A fractional
+one is rounded by :func:`~shardplan.solver.rounding.round_relaxation` when the caller accepts a
+gap (diving on the family's relaxation, whose bounds are restored after), and the rounding is
+the caller's to accept; otherwise, or for a member the family refuses, the caller solves it
+with :func:`~shardplan.solver.solve`.
 The relaxation has the same optimum as ``ilp``'s; where several assignments tie exactly (zero
 costs are not salted), the simplex may stop at another one of them.
 """
@@ -30,13 +33,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from ortools.linear_solver import linear_solver_pb2, pywraplp
 
 from shardplan.solver.reduce import SALTIPLIER, salt
+from shardplan.solver.rounding import Rounded, round_relaxation
 
 __all__ = ["FamilySolution", "ProblemFamily"]
 
@@ -54,12 +58,15 @@ class FamilySolution:
     """One member's relaxed optimum.
 
     Attributes:
-      assignment: per node, its strategy (the largest relaxed value per follower group).
+      assignment: per node, its strategy: the relaxed optimum if integral, else the cheaper of
+        its largest value per follower group and its rounding (when asked for).
       integral: whether the relaxed optimum was integral (then ``assignment`` is optimal).
       objective: the assignment's exact cost, summed as ``evaluate`` sums it.
       lp_objective: the relaxed optimum (salted).
-      iterations: simplex iterations.
+      iterations: simplex iterations (of the first solve: a dive's re-solves not counted).
       solve_time_s: seconds of the whole call.
+      rounding: how a fractional optimum was rounded (``"argmax"``, or the rounding's start
+        and its dives and re-solves); ``""`` when integral.
     """
 
     assignment: tuple[int, ...]
@@ -68,6 +75,19 @@ class FamilySolution:
     lp_objective: float
     iterations: int
     solve_time_s: float
+    rounding: str = ""
+
+    @property
+    def lower_bound(self) -> float:
+        """A lower bound on every assignment's exact cost (salt adds at most SALTIPLIER)."""
+        return self.lp_objective / (1.0 + SALTIPLIER)
+
+    @property
+    def gap(self) -> float:
+        """``(objective - lower_bound) / objective``: 0 when integral."""
+        if self.integral or self.objective <= 0:
+            return 0.0
+        return max(0.0, (self.objective - self.lower_bound) / self.objective)
 
 
 def _roots(n: int, followers: Sequence[tuple[int, int]]) -> np.ndarray:
@@ -191,6 +211,8 @@ class ProblemFamily:
         y_var: list[np.ndarray] = []  # pair variable indices and, alike,
         y_src: list[np.ndarray] = []  # the global edge entries whose costs they sum
         fold_entry, fold_src = [], []  # (root entry, global edge entry) to add
+        # (root u, root v, per member edge its [|S_u|, |S_v|] global entries): for rounding.
+        pair_edges: list[tuple[int, int, list[np.ndarray]]] = []
         for (u, v), members in merged.items():
             ku, kv = int(self.counts[u]), int(self.counts[v])
             rows = [i for i in range(ku) if not self.forbidden[self.base[u] + i]]
@@ -230,6 +252,7 @@ class ProblemFamily:
                             fold_entry.append(int(self.base[v]) + j)
                             fold_src.append(int(g[i0, j]))
                 continue
+            pair_edges.append((u, v, [g for _, g in grids]))
             xu, xv = dict(self.x[u]), dict(self.x[v])
             # One pair variable per (row class, column class) whose pair is allowed.
             i_rep = np.asarray([c[0] for c in row_classes])
@@ -264,6 +287,9 @@ class ProblemFamily:
         self._x_objects = {r: [(s, variables[var]) for s, var in xs] for r, xs in self.x.items()}
         self.y_vars = y_vars
         self.trivial = not y_vars and all(len(xs) == 1 for xs in self.x.values())
+        group_index = {r: g for g, r in enumerate(self._x_objects)}
+        self._group_of_node = np.asarray([group_index[r] for r in self.root.tolist()],
+                                         dtype=np.int64)
         self._variables = [*self.x_vars, *y_vars]
         self._coefficients = np.zeros(len(self._variables))  # as the model starts
         self.y_var = (np.concatenate(y_var).astype(np.int64) if y_var
@@ -272,12 +298,19 @@ class ProblemFamily:
                       else np.zeros(0, dtype=np.int64))
         self.fold_entry = np.asarray(fold_entry, dtype=np.int64)
         self.fold_src = np.asarray(fold_src, dtype=np.int64)
+        self.pair_edges = pair_edges
 
     # ------------------------------------------------------------------ solving
     def solve(self, compute: np.ndarray, communication: np.ndarray,
-              edge_costs: Sequence[np.ndarray]) -> FamilySolution | None:
+              edge_costs: Sequence[np.ndarray], *,
+              relative_gap: float = 0.0) -> FamilySolution | None:
         """The relaxed optimum of the member with these costs, or None if its ``inf``
-        pattern is not the family's or GLOP does not reach an optimum."""
+        pattern is not the family's or GLOP does not reach an optimum.
+
+        A fractional optimum is rounded (:mod:`shardplan.solver.rounding`, diving until the
+        rounding is within ``relative_gap`` of the bound) when ``relative_gap`` is positive;
+        the returned assignment is then the cheaper of that and the largest values.
+        """
         start = time.perf_counter()
         node_cost = compute + communication
         flat_edges = (np.concatenate(edge_costs) if edge_costs else np.zeros(0))
@@ -314,20 +347,70 @@ class ProblemFamily:
         objective.SetMinimization()
         if self.lp.Solve() != pywraplp.Solver.OPTIMAL:
             return None
-        integral = True
-        chosen_root: dict[int, int] = {}
-        for r, xs in self._x_objects.items():
-            values = [var.solution_value() for _, var in xs]
-            if any(LP_INTEGRALITY_TOLERANCE < q < 1 - LP_INTEGRALITY_TOLERANCE for q in values):
-                integral = False
-            best = max(range(len(values)), key=lambda k: (values[k], -k))
-            chosen_root[r] = xs[best][0]
+        marginals = self._marginals()
+        integral = all(not LP_INTEGRALITY_TOLERANCE < q < 1 - LP_INTEGRALITY_TOLERANCE
+                       for values in marginals.values() for q in values.tolist())
+        # (argmax keeps the first of equal values: the lower strategy index.)
+        chosen_root = {r: int(np.argmax(q)) for r, q in marginals.items()}
         assignment = tuple(chosen_root[r] for r in self.root.tolist())
+        cost = self.cost(assignment, compute, communication, edge_costs)
+        lp_objective, iterations = objective.Value(), self.lp.iterations()
+        rounding = "" if integral else "argmax"
+        if not integral and relative_gap > 0:
+            lower = lp_objective / (1.0 + SALTIPLIER)
+            target = lower / (1.0 - relative_gap) if relative_gap < 1.0 else math.inf
+            rounded = self._round(root_cost, flat_edges, marginals, target)
+            if rounded is not None:
+                candidate = tuple(rounded.assignment[g] for g in self._group_of_node.tolist())
+                candidate_cost = self.cost(candidate, compute, communication, edge_costs)
+                if candidate_cost < cost:
+                    assignment, cost = candidate, candidate_cost
+                    rounding = (f"{rounded.start} + local search, {rounded.dives} dives, "
+                                f"{rounded.resolves} re-solves")
         return FamilySolution(
-            assignment=assignment, integral=integral,
-            objective=self.cost(assignment, compute, communication, edge_costs),
-            lp_objective=objective.Value(), iterations=self.lp.iterations(),
-            solve_time_s=time.perf_counter() - start)
+            assignment=assignment, integral=integral, objective=cost,
+            lp_objective=lp_objective, iterations=iterations,
+            solve_time_s=time.perf_counter() - start, rounding=rounding)
+
+    def _marginals(self) -> dict[int, np.ndarray]:
+        """Per root, the relaxed value of each strategy (0 where forbidden)."""
+        out = {}
+        for r, xs in self._x_objects.items():
+            q = np.zeros(int(self.counts[r]))
+            q[[s for s, _ in xs]] = [var.solution_value() for _, var in xs]
+            out[r] = q
+        return out
+
+    def _round(self, root_cost: np.ndarray, flat_edges: np.ndarray,
+               marginals: dict[int, np.ndarray], target_cost: float) -> Rounded | None:
+        """:func:`round_relaxation` over the groups (``self._x_objects`` order), diving on the
+        family's relaxation; every bound it fixes is restored before returning."""
+        roots = list(self._x_objects)
+        node_cost = [np.where(self.forbidden[b:b + k], math.inf, root_cost[b:b + k])
+                     for b, k in ((int(self.base[r]), int(self.counts[r])) for r in roots)]
+        group = {r: g for g, r in enumerate(roots)}
+        edges = [(group[u], group[v], sum(flat_edges[g] for g in grids))
+                 for u, v, grids in self.pair_edges]
+        by_strategy = [dict(self._x_objects[r]) for r in roots]
+        fixed: list[pywraplp.Variable] = []
+
+        def resolve(fixings: Mapping[int, int]) -> tuple[list[np.ndarray], float] | None:
+            for var in fixed:
+                var.SetLb(0.0)
+            fixed[:] = [by_strategy[g][s] for g, s in fixings.items()]
+            for var in fixed:
+                var.SetLb(1.0)
+            if self.lp.Solve() != pywraplp.Solver.OPTIMAL:
+                return None
+            solved = self._marginals()
+            return [solved[r] for r in roots], self.lp.Objective().Value()
+
+        try:
+            return round_relaxation(node_cost, edges, [marginals[r] for r in roots],
+                                    resolve=resolve, target_cost=target_cost)
+        finally:
+            for var in fixed:
+                var.SetLb(0.0)
 
     def cost(self, assignment: Sequence[int], compute: np.ndarray, communication: np.ndarray,
              edge_costs: Sequence[np.ndarray]) -> float:

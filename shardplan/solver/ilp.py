@@ -39,6 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from ortools.linear_solver import pywraplp
 from ortools.sat.python import cp_model
 
@@ -46,6 +47,7 @@ from shardplan.errors import SolverError, format_error
 from shardplan.solver.evaluate import evaluate
 from shardplan.solver.problem import Problem, Solution, SolutionStatus
 from shardplan.solver.reduce import SALTIPLIER, Reduced, hint_assignment, reduce_problem, salt
+from shardplan.solver.rounding import Rounded, round_relaxation
 from shardplan.solver.scaling import (
     COST_INT_LIMIT,
     MEMORY_UNITS_LIMIT,
@@ -296,8 +298,8 @@ def _add_cost_cap(
 
 
 # --------------------------------------------------------------------------- LP first
-# (The module passes 600 lines with the memory cuts' copy terms; the LP-first path below is
-# self-contained and is the piece to move to its own module next.)
+# (The module passes 600 lines with the memory cuts' copy terms; the LP-first path below, the
+# relaxation and its rounding, is self-contained and is the piece to move to its own module.)
 
 LP_INTEGRALITY_TOLERANCE = 1e-6
 """A strategy boolean whose relaxed value is within this of 0 or 1 counts as integral."""
@@ -312,29 +314,81 @@ def _bound(value: int, lp: pywraplp.Solver) -> float:
     return float(value)
 
 
-def _lp_relaxation(built: _Model) -> tuple[dict[int, int], bool, float] | None:
-    """Solves the model's LP relaxation with GLOP.
+@dataclass(frozen=True)
+class _Relaxed:
+    """The LP relaxation's optimum.
 
-    Returns ``(assignment, integral, bound)``: the relaxed optimum rounded to the largest value
-    per node group, whether it was integral already, and the relaxed optimum's value in problem
-    units without the folded constant (a lower bound on every assignment's salted cost); None
-    if the model has a constraint this does not translate or GLOP does not reach an optimum.
+    Attributes:
+      marginals: root -> the relaxed value of each strategy.
+      integral: whether every value is within :data:`LP_INTEGRALITY_TOLERANCE` of 0 or 1.
+      bound: the optimum in problem units without the folded constant (a lower bound on
+        every assignment's salted cost).
+    """
+
+    marginals: dict[int, list[float]]
+    integral: bool
+    bound: float
+
+    def argmax(self) -> dict[int, int]:
+        """Per root, the strategy of largest relaxed value (the lower index on ties)."""
+        # (max over indices keeps the first of equal values: the lower index.)
+        return {r: max(range(len(q)), key=q.__getitem__) for r, q in self.marginals.items()}
+
+
+GLOP_PARAMETERS = "use_preprocessing: false use_dual_simplex: true"
+"""As :data:`shardplan.solver.family.GLOP_PARAMETERS`: without presolve GLOP keeps its basis
+across bound changes, so a dive's re-solve (:mod:`shardplan.solver.rounding`) takes tens of
+pivots (~15 ms on a GPT block) instead of the first solve's ~1,600."""
+
+
+class _Relaxation:
+    """The model's LP relaxation in GLOP, re-solvable with groups fixed (from the last basis).
+
+    Built by :func:`_lp_relaxation`.
+    """
+
+    def __init__(self, built: _Model, lp: pywraplp.Solver, variables: list[Any],
+                 objective: Any) -> None:
+        self._x = {r: [variables[x.index] for x in xs] for r, xs in built.x.items()}
+        self._lp, self._objective = lp, objective
+        self._fixed: list[Any] = []
+
+    def solve(self, fixings: Mapping[int, int] | None = None) -> _Relaxed | None:
+        """The relaxed optimum with ``{root: strategy}`` fixed (None: not optimal)."""
+        for var in self._fixed:
+            var.SetLb(0.0)
+        self._fixed = [self._x[r][s] for r, s in (fixings or {}).items()]
+        for var in self._fixed:
+            var.SetLb(1.0)
+        if self._lp.Solve() != pywraplp.Solver.OPTIMAL:
+            return None
+        marginals = {r: [var.solution_value() for var in xs] for r, xs in self._x.items()}
+        integral = all(not LP_INTEGRALITY_TOLERANCE < q < 1 - LP_INTEGRALITY_TOLERANCE
+                       for values in marginals.values() for q in values)
+        return _Relaxed(marginals, integral, self._objective.Value())
+
+
+def _lp_relaxation(built: _Model) -> _Relaxation | None:
+    """The model's LP relaxation in GLOP, or None if it has a constraint this does not
+    translate.
 
     The relaxation of the marginal formulation is integral on chains and trees and, measured on
     traced train steps (transformer blocks with residual and attention fan-out), integral on
-    their DAGs too unless a memory budget binds (a knapsack). An integral relaxed optimum is an
-    optimum of the ILP (its value bounds the ILP's from below and the point is feasible), so
-    CP-SAT is only needed when the relaxation is fractional and its rounding is not within the
-    problem's ``relative_gap``. GLOP is a deterministic simplex: the result does not depend on
-    time limits or threads. The model's booleans become ``[0, 1]`` variables and every
-    constraint (linear, exactly-one, a clause ``¬a ∨ ¬b``) its linear form; costs are the
-    unrounded ones (integer rounding creates exact ties, and ties fractional optima).
+    their DAGs too unless a memory budget binds (a knapsack) or symmetric strategies split
+    (:mod:`shardplan.solver.rounding`). An integral relaxed optimum is an optimum of the ILP
+    (its value bounds the ILP's from below and the point is feasible), so CP-SAT is only needed
+    when the relaxation is fractional and its rounding is not within the problem's
+    ``relative_gap``. GLOP is a deterministic simplex: the result does not depend on time
+    limits or threads. The model's booleans become ``[0, 1]`` variables and every constraint
+    (linear, exactly-one, a clause ``¬a ∨ ¬b``) its linear form; costs are the unrounded ones
+    (integer rounding creates exact ties, and ties fractional optima).
     """
     proto = built.model.proto
     lp = pywraplp.Solver.CreateSolver("GLOP")
     if lp is None:  # pragma: no cover - GLOP ships in every ortools wheel
         return None
     lp.SetNumThreads(1)
+    lp.SetSolverSpecificParametersAsString(GLOP_PARAMETERS)
     # (The proto's repeated fields do not support negative indexing: copy them to lists.)
     domains = [list(var.domain) for var in proto.variables]
     v = [lp.NumVar(float(d[0]), float(d[-1]), "") for d in domains]
@@ -365,16 +419,81 @@ def _lp_relaxation(built: _Model) -> tuple[dict[int, int], bool, float] | None:
     for ref, coef in built.exact_objective.items():
         objective.SetCoefficient(v[ref], coef)
     objective.SetMinimization()
-    if lp.Solve() != pywraplp.Solver.OPTIMAL:
+    return _Relaxation(built, lp, v, objective)
+
+
+def _from_relaxation(problem: Problem, red: Reduced, relaxation: _Relaxation,
+                     relaxed: _Relaxed, stats: dict[str, Any],
+                     start: float) -> Solution | dict[int, int] | None:
+    """The relaxed optimum's rounding as the solution, when it is proven close enough.
+
+    An integral optimum is optimal. A fractional one is rounded to the largest value per group
+    and by :func:`~shardplan.solver.rounding.round_relaxation` (diving on ``relaxation`` when
+    ``problem.relative_gap`` allows a rounding at all); the cheaper rounding the evaluator
+    finds feasible is accepted when within ``problem.relative_gap`` of the relaxation's bound.
+    Otherwise it is returned (per root) as CP-SAT's hint, or None when none is feasible.
+    """
+    # The relaxation bounds the salted objective; salt adds at most SALTIPLIER to costs.
+    lower = (relaxed.bound + red.constant) / (1.0 + SALTIPLIER)
+    candidates = [("argmax", relaxed.argmax())]
+    if not relaxed.integral:
+        rounded = _round(red, relaxation, relaxed, lower, problem.relative_gap)
+        if rounded is not None:
+            dives = (f", {rounded.dives} dives, {rounded.resolves} re-solves"
+                     if rounded.resolves else "")
+            candidates.append((f"{rounded.start} + local search{dives}",
+                               dict(zip(red.members, rounded.assignment, strict=True))))
+    best: tuple[str, dict[int, int], tuple[int, ...], float] | None = None
+    for how, choice in candidates:
+        assignment = tuple(choice[red.root[i]] for i in range(len(problem.nodes)))
+        evaluation = evaluate(problem, assignment)
+        if evaluation.feasible and (best is None or evaluation.cost.total < best[3]):
+            best = (how, choice, assignment, evaluation.cost.total)
+    if best is None:
+        stats["lp_relaxation"] = "fractional, no rounding feasible"
         return None
-    choice: dict[int, int] = {}
-    integral = True
-    for r, xs in built.x.items():
-        values = [v[x.index].solution_value() for x in xs]
-        if any(LP_INTEGRALITY_TOLERANCE < q < 1 - LP_INTEGRALITY_TOLERANCE for q in values):
-            integral = False
-        choice[r] = max(range(len(values)), key=lambda s: (values[s], -s))
-    return choice, integral, objective.Value()
+    how, choice, assignment, exact = best
+    gap = 0.0 if relaxed.integral or exact <= 0 else max(0.0, (exact - lower) / exact)
+    stats["lp_relaxation"] = ("integral" if relaxed.integral
+                              else f"fractional, rounded ({how}) gap {gap:.3g}")
+    if not (relaxed.integral or gap <= problem.relative_gap):
+        return choice
+    return Solution(status="optimal" if relaxed.integral else "feasible",
+                    assignment=assignment, objective=exact,
+                    best_bound=exact if relaxed.integral else min(lower, exact), gap=gap,
+                    solve_time_s=time.perf_counter() - start, stats=stats)
+
+
+def _round(red: Reduced, relaxation: _Relaxation, relaxed: _Relaxed, lower: float,
+           relative_gap: float) -> Rounded | None:
+    """:func:`round_relaxation` on the reduced problem, diving on ``relaxation`` down to the
+    cost ``relative_gap`` accepts (no diving when it accepts none)."""
+    roots = list(red.members)
+
+    def resolve(fixings: Mapping[int, int]) -> tuple[list[np.ndarray], float] | None:
+        solved = relaxation.solve({roots[g]: s for g, s in fixings.items()})
+        if solved is None:
+            return None
+        return [np.asarray(solved.marginals[r]) for r in roots], solved.bound
+
+    # Rounding costs are salted (>= exact) and leave out the folded constant.
+    target = (lower / (1.0 - relative_gap) if relative_gap < 1.0 else math.inf) - red.constant
+    node_cost, edges = _rounding_inputs(red)
+    return round_relaxation(node_cost, edges, [np.asarray(relaxed.marginals[r]) for r in roots],
+                            resolve=resolve if relative_gap > 0 else None, target_cost=target)
+
+
+def _rounding_inputs(red: Reduced) -> tuple[list[np.ndarray], list[tuple[int, int, np.ndarray]]]:
+    """The reduced problem as :func:`round_relaxation`'s arrays, groups in ``red.members``
+    order; salted costs (what the relaxation minimises), aliases as forbidden pairs."""
+    index = {r: k for k, r in enumerate(red.members)}
+    matrices = {key: np.array(m, dtype=np.float64) for key, m in red.edges.items()}
+    for ra, i, rb, j in red.alias_pairs:
+        (u, a), (v, b) = sorted(((ra, i), (rb, j)))
+        shape = (len(red.cost[u]), len(red.cost[v]))
+        matrices.setdefault((u, v), np.zeros(shape))[a, b] = math.inf
+    node_cost = [np.asarray(red.cost[r], dtype=np.float64) for r in red.members]
+    return node_cost, [(index[u], index[v], m) for (u, v), m in matrices.items()]
 
 
 # --------------------------------------------------------------------------- solving
@@ -520,24 +639,14 @@ def solve(problem: Problem, /) -> Solution:
     hint = hint_assignment(problem, red)
     built = _build(problem, red, scaling, families=frozenset(_FAMILIES), hint=hint)
     stats = _model_stats(red, scaling, built)
-    relaxed = _lp_relaxation(built)
-    if relaxed is not None:
-        choice, integral, bound = relaxed
-        assignment = tuple(choice[red.root[i]] for i in range(len(problem.nodes)))
-        evaluation = evaluate(problem, assignment)
-        # The relaxation bounds the salted objective; salt adds at most SALTIPLIER to costs.
-        lower = (bound + red.constant) / (1.0 + SALTIPLIER)
-        exact = evaluation.cost.total
-        gap = 0.0 if integral else max(0.0, (exact - lower) / exact) if exact > 0 else 0.0
-        stats["lp_relaxation"] = "integral" if integral else f"fractional, rounded gap {gap:.3g}"
-        if evaluation.feasible and (integral or gap <= problem.relative_gap):
-            return Solution(status="optimal" if integral else "feasible",
-                            assignment=assignment, objective=exact,
-                            best_bound=exact if integral else lower, gap=gap,
-                            solve_time_s=time.perf_counter() - start, stats=stats)
-        if evaluation.feasible:
-            built = _build(problem, red, scaling, families=frozenset(_FAMILIES),
-                           hint=dict(choice))
+    relaxation = _lp_relaxation(built)
+    relaxed = relaxation.solve() if relaxation is not None else None
+    if relaxation is not None and relaxed is not None:
+        accepted = _from_relaxation(problem, red, relaxation, relaxed, stats, start)
+        if isinstance(accepted, Solution):
+            return accepted
+        if accepted is not None:  # the better feasible rounding seeds the search
+            built = _build(problem, red, scaling, families=frozenset(_FAMILIES), hint=accepted)
     status, solver = _run(built, problem, problem.time_limit_s)
     stats.update(
         cp_sat_status=solver.status_name(status),
