@@ -108,16 +108,23 @@ def test_groups_of_one_device_type_and_links_share_their_solutions(unrolled) -> 
 
 def test_the_read_back_analysis_is_the_placed_analysis_of_the_solved_problem(unrolled) -> None:
     from shardplan.planner.decode import placed_analysis
+    from shardplan.planner.fold import fold_blocks
     from shardplan.planner.layer_costs import _placed_analysis
     from shardplan.planner.mesh import MeshSearch
 
     _, graph, costs = unrolled
     cluster = sp.Cluster.local(types={"a100-80g": 4, "v100-32g": 4})
-    search = MeshSearch(graph, cluster)
+    # The tables solve the loop's blocks folded (planner.fold): the read-back is on the folded
+    # graph, with the problem as the layout builds it there.
+    fold = fold_blocks(graph, 1)
+    assert fold is not None
+    search = MeshSearch(fold.graph, cluster, fold=fold)
     choice = costs.choices[(0, 2)]
-    got = _placed_analysis(graph, search.layout(choice.mesh), choice.mesh,
-                           choice.solution.assignment, search.facts.rules)
-    want = placed_analysis(graph, choice.problem, choice.solution, reduce_scatter=False)
+    layout = search.layout(choice.mesh)
+    got = _placed_analysis(fold.graph, layout, choice.mesh, choice.solution.assignment,
+                           search.facts.rules)
+    want = placed_analysis(fold.graph, layout.problem(choice.mesh, cluster), choice.solution,
+                           reduce_scatter=False)
     assert (got.specs, got.op_axes, got.collectives) == (want.specs, want.op_axes,
                                                          want.collectives)
 

@@ -309,6 +309,9 @@ def _place(graph: OpGraph, mesh: LogicalMesh, prop: _Propagator, *,
             seen[key] = len(collectives)
         collectives.append(PredictedCollective(kind, axes, nbytes, count, tensor, op_id))
 
+    # Constants (values XLA folds: built from literals alone) are materialised in whatever
+    # sharding a reader wants; reading one never moves data.
+    constant = {t for op in graph.ops if op.attrs.get("folded") for t in op.outputs}
     for op in graph.ops:
         rule = prop.rules[op.id]
         decided = op_factors.get(op.id)
@@ -321,7 +324,7 @@ def _place(graph: OpGraph, mesh: LogicalMesh, prop: _Propagator, *,
         for t, dims in zip(op.inputs, rule.operands, strict=True):
             required: Spec = tuple(tuple(a for f in factors for a in final.get(f, ()))
                                    for factors in dims)
-            if specs[t] == required:  # reshard_steps: nothing to do
+            if specs[t] == required or t in constant:  # reshard_steps: nothing to do
                 continue
             key = (specs[t], required)
             if key not in steps_of:

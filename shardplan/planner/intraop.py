@@ -42,11 +42,12 @@ from shardplan.cost.sharding import (
 )
 from shardplan.cost.strategies import OpStrategy, enumerate_strategies, factor_specs
 from shardplan.errors import ClusterError, ConfigError, format_error
+from shardplan.planner.fold import BoundaryUses, Fold, costed_ops, expand
 from shardplan.planner.memory import MemoryPeak, memory_cut
 from shardplan.solver import Edge, Follower, Node, Problem
 from shardplan.trace.graph import OpGraph
 
-__all__ = ["IntraOpProblem", "build_intraop_problem", "tie_layers"]
+__all__ = ["IntraOpProblem", "Use", "build_intraop_problem", "operand_uses", "tie_layers"]
 
 INPUT_BYTE_TIEBREAK_S = 1e-15
 """Seconds charged per byte an input holds on one device. Far below any real cost, it breaks
@@ -142,6 +143,7 @@ def build_intraop_problem(
     memory_budget_bytes: float | None = None,
     memory_peaks: tuple[MemoryPeak, ...] = (),
     fixed_specs: Mapping[str, Spec] | None = None,
+    fold: Fold | None = None,
 ) -> IntraOpProblem:
     """Builds the intra-op problem of ``graph`` on ``mesh`` (see the module docstring).
 
@@ -161,10 +163,21 @@ def build_intraop_problem(
       fixed_specs: ``{state key path: spec}``: those state leaves may only take that sharding
         (the user's annotations, :mod:`shardplan.planner.annotations`); every other strategy
         of theirs costs ``inf``.
+      fold: ``graph``'s loop blocks folded with period ``tie_period``
+        (:func:`shardplan.planner.fold.fold_blocks`): the problem is built on ``fold.graph``
+        (its ops charged as ``graph`` charges them, the operand uses that differ from the ops'
+        counts priced as such, plus its carries) and returned on ``graph``'s ids: every op of
+        a folded block takes its representative's node, and memory cuts are ``graph``'s.
 
     Raises:
       ClusterError: the mesh spans several device types.
+      ValueError: ``fold`` is not a fold of ``graph`` with period ``tie_period``.
     """
+    full = graph
+    if fold is not None:
+        if fold.source is not graph or fold.period != tie_period:
+            raise ValueError("fold must be fold_blocks(graph, tie_period)")
+        graph = fold.graph
     types = {cluster.group_of(d).device.name for d in mesh.device_ids}
     if len(types) != 1:
         raise ClusterError(
@@ -226,12 +239,14 @@ def build_intraop_problem(
                                          follow_cache)
         else:
             derived = None
-        n = node_for(op.id, op_nodes, canon_op, f"op:{op.id}:{op.primitive}",
+        label = fold.source_ids[op.id] if fold is not None else op.id
+        n = node_for(op.id, op_nodes, canon_op, f"op:{label}:{op.primitive}",
                      (lambda d=derived: d) if derived is not None else
                      (lambda op=op: enumerate_strategies(op_rule(graph, op), mesh)))
         if derived is not None and lead is not None and op_nodes[op.id] == len(strategies) - 1:
             followers.append(Follower(node=n, leader=lead[0]))
-        fused = with_materialized_bytes(op, graph, lambda t: buffers[t])
+        charged = (fold.charged[op.id] if fold is not None and op.id in fold.charged
+                   else (with_materialized_bytes(op, graph, lambda t: buffers[t]),))
         for k, s in enumerate(strategies[n]):
             # A partial result is all-reduced once, by its producer, however many ops read it.
             if s.partial_axes:
@@ -243,13 +258,15 @@ def build_intraop_problem(
             if op.structural or op.attrs.get("folded"):
                 continue
             # Only values that live in memory cost memory traffic (fused ones do not).
-            t = op_time_s(fused, device, dtype=compute_dtype(op, graph),
-                          flops_divisor=s.shards, bytes_divisor=s.shards,
-                          kind=op_class(op, params))
-            compute[n][k] += t.time_s * op.count
+            for fused in charged:
+                t = op_time_s(fused, device, dtype=compute_dtype(op, graph),
+                              flops_divisor=s.shards, bytes_divisor=s.shards,
+                              kind=op_class(op, params))
+                compute[n][k] += t.time_s * fused.count
     root = {f.node: f.leader for f in followers}
     edges, diagonals = _edges(graph, comm_times, strategies, input_nodes, op_nodes, free,
-                              lambda n: _root(root, n))
+                              lambda n: _root(root, n),
+                              fold.boundary if fold is not None else None)
     for n, diagonal in diagonals:
         compute[n] = [c + d for c, d in zip(compute[n], diagonal, strict=True)]
     # Tied layers make some edges run from a node to itself: their diagonal is a node cost.
@@ -261,7 +278,9 @@ def build_intraop_problem(
         k = len(strategies[e.src])
         compute[e.src] = [c + e.cost[i * k + i] for i, c in enumerate(compute[e.src])]
     arguments = tuple(sorted(set(input_nodes.values())))
-    cuts = tuple(memory_cut(graph, mesh, peak, arguments, memory, input_nodes, op_nodes,
+    # Memory peaks are the full graph's (its estimate's buffers and op positions).
+    full_ops = op_nodes if fold is None else {o: op_nodes[f] for o, f in enumerate(fold.op_of)}
+    cuts = tuple(memory_cut(full, mesh, peak, arguments, memory, input_nodes, full_ops,
                             strategies, name=f"memory peak {k}")
                  for k, peak in enumerate(memory_peaks if memory_budget_bytes else ()))
     nodes = tuple(Node(name=names[i], compute_cost=tuple(compute[i]),
@@ -280,7 +299,7 @@ def build_intraop_problem(
         relative_gap=relative_gap,
         name=f"intraop:{graph.name}",
     )
-    return IntraOpProblem(
+    built = IntraOpProblem(
         problem=problem,
         mesh=mesh,
         input_nodes=input_nodes,
@@ -288,6 +307,7 @@ def build_intraop_problem(
         strategies=tuple(strategies),
         free_tensors=free,
     )
+    return built if fold is None else expand(fold, built)
 
 
 def _fixed(costs: list[float], strategies: tuple[OpStrategy, ...], spec: Spec, path: str,
@@ -425,18 +445,6 @@ def _derive(rule: OpRule, mesh: LogicalMesh, leader: tuple[OpStrategy, ...], j: 
     return tuple(out)
 
 
-def _aligned(graph: OpGraph, ops: tuple[int, ...]) -> list[int]:
-    """The ops that define a layer's fingerprint (not folded away, not scalar-only)."""
-    out = []
-    for o in ops:
-        op = graph.ops[o]
-        if op.attrs.get("folded"):
-            continue
-        if any(graph.tensors[t].shape for t in (*op.inputs, *op.outputs)):
-            out.append(o)
-    return out
-
-
 def tie_layers(graph: OpGraph, period: int) -> tuple[dict[int, int], dict[int, int]]:
     """Maps the ops and parameters of blocks to those of a representative block with the same
     fingerprint, position by position, so repeated layers share one set of variables.
@@ -444,7 +452,8 @@ def tie_layers(graph: OpGraph, period: int) -> tuple[dict[int, int], dict[int, i
     With ``period`` p, the k-th block of a fingerprint is tied to the (k mod p)-th: p = 1 ties
     every transformer block to the first; p = 2 lets consecutive identical layers alternate
     (the column/row pairs of a Megatron MLP). A block whose ops do not line up with its
-    representative's is left untied.
+    representative's is left untied; a block folded into its representative
+    (:func:`shardplan.planner.fold.fold_blocks`, no ops of its own) ties its parameters.
     """
     canon_op: dict[int, int] = {}
     canon_in: dict[int, int] = {}
@@ -458,7 +467,9 @@ def tie_layers(graph: OpGraph, period: int) -> tuple[dict[int, int], dict[int, i
         if len(members) <= period:
             continue
         ref = graph.layers[members[(len(members) - 1) % period]]
-        ops, ref_ops = _aligned(graph, layer.ops), _aligned(graph, ref.ops)
+        ops, ref_ops = costed_ops(graph, layer.ops), costed_ops(graph, ref.ops)
+        if not ops:  # folded into its representative (planner.fold): only parameters to tie
+            ref_ops = []
         if len(ops) != len(ref_ops) or any(graph.ops[a].primitive != graph.ops[b].primitive
                                            for a, b in zip(ops, ref_ops, strict=True)):
             continue
@@ -508,6 +519,7 @@ def _edges(
     op_nodes: Mapping[int, int],
     free: frozenset[int],
     group_of: Callable[[int], int],
+    boundary: BoundaryUses | None = None,
 ) -> tuple[list[Edge], list[tuple[int, list[float]]]]:
     """One edge per operand use (the producer's result resharded into what the consumer's
     strategy reads), and one from each new state leaf back to its input (resharded into the
@@ -521,26 +533,7 @@ def _edges(
     # for it, and XLA hoists those gathers (of ``b1 * mu`` ...) into the backward pass, where
     # they sit on top of the peak (measured: +7 MB over the memory model on a 4-layer MLP).
     # The gradient moves to the state instead, as ZeRO does.
-    uses: dict[tuple[int, int, int, int, int, int, bool], int] = {}
-    for op in graph.ops:
-        dst = op_nodes[op.id]
-        for i, t in enumerate(op.inputs):
-            src = _producer(graph, t, input_nodes, op_nodes)
-            if src is None or t in free:
-                continue
-            in_place = _read_in_place(graph, op, t, input_nodes)
-            key = (src[0], src[1], dst, i, graph.tensors[t].nbytes, op.count, in_place)
-            uses[key] = uses.get(key, 0) + 1
-    by_path = {(f"{p.arg_index}/{p.path}", p.shape): p.tensor for p in graph.parameters}
-    for out, path in zip(graph.outputs, graph.output_paths, strict=True):
-        if out is None or out in input_nodes:
-            continue
-        target = by_path.get((path, graph.tensors[out].shape))
-        src = _producer(graph, out, input_nodes, op_nodes)
-        if target is not None and src is not None:
-            key = (src[0], src[1], input_nodes[target], -1, graph.tensors[out].nbytes, 1,
-                   False)
-            uses[key] = uses.get(key, 0) + 1
+    uses = operand_uses(graph, input_nodes, op_nodes, free, boundary)
     edges: list[Edge] = []
     node_costs: list[tuple[int, list[float]]] = []
     for (node, j, dst, i, nbytes, count, in_place), times in uses.items():
@@ -556,6 +549,52 @@ def _edges(
             cost = tuple(math.inf if c > 0 else c for c in cost)
         edges.append(Edge(src=node, dst=dst, cost=cost))
     return edges, node_costs
+
+
+Use = tuple[int, int, int, int, int, int, bool]
+"""(producer node, result index, consumer node, operand position or -1 for a state edge,
+tensor bytes, executions, read in place)."""
+
+
+def operand_uses(graph: OpGraph, input_nodes: Mapping[int, int], op_nodes: Mapping[int, int],
+                 free: frozenset[int], boundary: BoundaryUses | None = None) -> dict[Use, int]:
+    """Every operand use (and each new state leaf's edge back to its input), with how often it
+    repeats, in program order. Tied layers repeat the same use between the same two nodes:
+    such uses are priced once, multiplied. ``boundary``: the uses of folded loop blocks
+    (:class:`~shardplan.planner.fold.BoundaryUses`) that read their operand in fewer
+    executions than the op's count, and the carries that read the rest."""
+    uses: dict[Use, int] = {}
+
+    def add(src: tuple[int, int], dst: int, i: int, t: int, count: int, in_place: bool) -> None:
+        key = (src[0], src[1], dst, i, graph.tensors[t].nbytes, count, in_place)
+        uses[key] = uses.get(key, 0) + 1
+
+    for op in graph.ops:
+        dst = op_nodes[op.id]
+        for i, t in enumerate(op.inputs):
+            src = _producer(graph, t, input_nodes, op_nodes)
+            if src is None or t in free:
+                continue
+            count = boundary.count(op, i) if boundary is not None else op.count
+            add(src, dst, i, t, count, _read_in_place(graph, op, t, input_nodes))
+    for carry in boundary.carries if boundary is not None else ():
+        src = _producer(graph, carry.tensor, input_nodes, op_nodes)
+        if src is None or carry.tensor in free:
+            continue
+        op = graph.ops[carry.op]
+        add(src, op_nodes[op.id], carry.position, carry.tensor, carry.executions,
+            _read_in_place(graph, op, carry.tensor, input_nodes))
+    by_path = {(f"{p.arg_index}/{p.path}", p.shape): p.tensor for p in graph.parameters}
+    for out, path in zip(graph.outputs, graph.output_paths, strict=True):
+        if out is None or out in input_nodes:
+            continue
+        target = by_path.get((path, graph.tensors[out].shape))
+        src = _producer(graph, out, input_nodes, op_nodes)
+        if target is not None and src is not None:
+            key = (src[0], src[1], input_nodes[target], -1, graph.tensors[out].nbytes, 1,
+                   False)
+            uses[key] = uses.get(key, 0) + 1
+    return uses
 
 
 def _optimizer_followers(

@@ -45,6 +45,7 @@ from shardplan.cost.compute import (
 from shardplan.cost.memory import activation_facts, saved_activation_bytes_by_layer
 from shardplan.cost.rules import OpRule
 from shardplan.cost.sharding import ShardingAnalysis, analyze_sharding, leaf_specs
+from shardplan.planner.fold import Fold, expand, fold_blocks
 from shardplan.planner.layout import IntraOpLayout, MeshCollectives, RooflineTable, StepFacts
 from shardplan.planner.mesh import MeshChoice, MeshSearch
 from shardplan.solver.pipeline import REMATS, LayerKind, LayerOption
@@ -117,17 +118,24 @@ def layer_costs(graph: OpGraph, cluster: Cluster, *, reference_batch: int,
     kind_of = [fingerprints.setdefault(layer.fingerprint, len(fingerprints))
                for layer in pipeline_layers]
     first_of_kind = {k: pipeline_layers[i] for i, k in reversed(list(enumerate(kind_of)))}
-    search = MeshSearch(graph, cluster, max_axes=max_mesh_axes, tie_period=1,
-                        time_limit_s=time_limit_s, relative_gap=relative_gap)
-    readback = _Readback(graph, cluster, [layer.index for layer in first_of_kind.values()],
+    # Python-loop blocks are solved once per distinct block, as a scanned stack is: on the
+    # graph with them folded (planner.fold), whose representative is each kind's first layer.
+    fold = fold_blocks(graph, 1)
+    solved = fold.graph if fold is not None else graph
+    search = MeshSearch(solved, cluster, max_axes=max_mesh_axes, tie_period=1,
+                        time_limit_s=time_limit_s, relative_gap=relative_gap, fold=fold)
+    readback = _Readback(solved, cluster, [layer.index for layer in first_of_kind.values()],
                          reference_batch, facts=search.facts,
-                         collective_cache=search.collective_cache)
+                         collective_cache=search.collective_cache,
+                         members=fold.members if fold is not None else None)
     if sizes is not None:
         wanted = {g: tuple(sizes.get(g, ())) for g in range(len(cluster.groups))}
         skipped: dict[int, tuple[int, ...]] = {}
     else:
         wanted, skipped = _useful_sizes(graph, cluster, pipeline_layers)
     choices, per_layer, per_submesh, readback_s = _solve_all(search, readback, cluster, wanted)
+    if fold is not None:  # the choices' problems on the full graph, for the plan
+        choices = {key: _unfolded(choice, fold) for key, choice in choices.items()}
     options: dict[int, dict[int, list[LayerOption]]] = defaultdict(lambda: defaultdict(list))
     for g, ds in wanted.items():
         for d in ds:
@@ -210,6 +218,11 @@ def _solve_all(search: MeshSearch, readback: _Readback, cluster: Cluster,
             readback_s)
 
 
+def _unfolded(choice: MeshChoice, fold: Fold) -> MeshChoice:
+    """``choice`` (solved on ``fold.graph``) with its problem on the full graph's ids."""
+    return dataclasses.replace(choice, build=lambda: expand(fold, choice.problem))
+
+
 def _same_costs_key(cluster: Cluster, ids: Sequence[int]) -> tuple:
     """What a sub-mesh's intra-op costs depend on: the device type, the group's links and
     how its devices spread over nodes (:func:`candidate_meshes` lays them out by node)."""
@@ -243,18 +256,28 @@ class _Readback:
 
     def __init__(self, graph: OpGraph, cluster: Cluster, layers: Sequence[int],
                  batch: int, *, facts: StepFacts,
-                 collective_cache: dict[tuple, float] | None = None) -> None:
+                 collective_cache: dict[tuple, float] | None = None,
+                 members: Mapping[int, int] | None = None) -> None:
         self.graph = graph
         self.collective_cache = collective_cache if collective_cache is not None else {}
         self.rules = facts.rules
         self.cluster = cluster
         self.layers = tuple(layers)
         self.batch = batch
+        # A representative of folded loop blocks (planner.fold) runs its ops for all of its
+        # members: its times are theirs together, per layer one member's share.
+        self.members = {i: (members or {}).get(i, 1) for i in self.layers}
         wanted = set(layers)
         # The ops cost.compute.op_times costs: not structural, folded or a view.
         self.costed = [o for o in facts.fused if graph.ops[o].primitive not in VIEW_PRIMITIVES]
-        self.rooflines = RooflineTable([facts.fused[o] for o in self.costed])
-        self.rows = np.arange(len(self.costed))
+        # One roofline row per charged variant of an op (one, unless loop blocks were folded).
+        rows: list[tuple[int, tuple]] = []
+        for o in self.costed:
+            variants, dtype, kind = facts.fused[o]
+            rows += [(o, (charged, dtype, kind)) for charged in variants]
+        self.rooflines = RooflineTable([row for _, row in rows])
+        self.row_op = [o for o, _ in rows]
+        self.rows = np.arange(len(rows))
         # Per op, the wanted layers it belongs to and how many layers share it.
         self.owners = {op.id: ([i for i in op.layers if i in wanted], len(op.layers))
                        for op in graph.ops if op.layers and wanted.intersection(op.layers)}
@@ -273,9 +296,11 @@ class _Readback:
         for axes in analysis.op_axes:
             if axes not in sizes:
                 sizes[axes] = float(mesh.size(axes))
-        divisor = np.asarray([sizes[analysis.op_axes[o]] for o in self.costed])
-        seconds: dict[int, float] = dict(zip(
-            self.costed, self.rooflines.times(device, self.rows, divisor).tolist(), strict=True))
+        divisor = np.asarray([sizes[analysis.op_axes[o]] for o in self.row_op])
+        seconds: dict[int, float] = {}
+        for o, t in zip(self.row_op, self.rooflines.times(device, self.rows, divisor).tolist(),
+                        strict=True):
+            seconds[o] = seconds.get(o, 0.0) + t
         # mesh_collective_time_s of each collective, memoised and shared between meshes.
         comm = MeshCollectives(mesh, self.cluster, self.collective_cache)
         for c in analysis.collectives:
@@ -290,9 +315,10 @@ class _Readback:
             share = s / shared_by
             op_phase = graph.ops[op_id].phase
             for index in mine:
-                phase[(index, op_phase)] += share
+                mine_s = share / self.members[index]
+                phase[(index, op_phase)] += mine_s
                 for policy in self.recomputed[op_id]:
-                    recompute[(index, policy)] += share
+                    recompute[(index, policy)] += mine_s
 
         def local(t: int) -> int:
             return analysis.local_bytes(graph, t)

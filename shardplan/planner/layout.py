@@ -43,18 +43,19 @@ from shardplan.cost.rules import OpRule, op_rule
 from shardplan.cost.sharding import Spec, reduce_steps, reshard_steps
 from shardplan.cost.strategies import OpStrategy, enumerate_strategies
 from shardplan.errors import ClusterError, format_error
+from shardplan.planner.fold import BoundaryUses, Fold
 from shardplan.planner.intraop import (
     INPUT_BYTE_TIEBREAK_S,
     IntraOpProblem,
+    Use,
     _CommTimes,
     _derive,
     _follow_target,
     _optimizer_followers,
-    _producer,
-    _read_in_place,
     _regenerable,
     _root,
     _tensor_rule,
+    operand_uses,
     tie_layers,
 )
 from shardplan.solver import Edge, Follower, Node, Problem
@@ -239,22 +240,27 @@ class StepFacts:
     canon_op: Mapping[int, int]
     canon_in: Mapping[int, int]
     free: frozenset[int]
-    fused: Mapping[int, tuple[Op, str, OpClass]]
+    fused: Mapping[int, tuple[tuple[Op, ...], str, OpClass]]
+    boundary: BoundaryUses | None = None
+    source_ids: tuple[int, ...] | None = None
 
 
-def step_facts(graph: OpGraph, *, tie_period: int = 1) -> StepFacts:
-    """The :class:`StepFacts` of ``graph``."""
+def step_facts(graph: OpGraph, *, tie_period: int = 1, fold: Fold | None = None) -> StepFacts:
+    """The :class:`StepFacts` of ``graph`` (``fold``: as in ``build_intraop_problem``)."""
     rules = tuple(op_rule(graph, op) for op in graph.ops)
     buffers = buffer_tensors(graph)
     params = parameter_tensors(graph)
     canon_op, canon_in = tie_layers(graph, tie_period) if tie_period else ({}, {})
-    fused = {op.id: (with_materialized_bytes(op, graph, lambda t: buffers[t]),
+    charged = fold.charged if fold is not None else {}
+    fused = {op.id: (charged[op.id] if op.id in charged
+                     else (with_materialized_bytes(op, graph, lambda t: buffers[t]),),
                      compute_dtype(op, graph), op_class(op, params))
              for op in graph.ops if not (op.structural or op.attrs.get("folded"))}
     return StepFacts(rules=rules, factor_sizes=factor_sizes_of(graph, rules),
                      tie_period=tie_period, canon_op=canon_op, canon_in=canon_in,
                      free=_regenerable(graph, {p.tensor for p in graph.parameters}),
-                     fused=fused)
+                     fused=fused, boundary=fold.boundary if fold is not None else None,
+                     source_ids=fold.source_ids if fold is not None else None)
 
 
 def intraop_layout(graph: OpGraph, mesh: LogicalMesh, *, tie_period: int = 1,
@@ -310,7 +316,8 @@ def intraop_layout(graph: OpGraph, mesh: LogicalMesh, *, tie_period: int = 1,
             derived = follow_cache[key]
         else:
             derived = None
-        n = node_for(op.id, op_nodes, canon_op, f"op:{op.id}:{op.primitive}",
+        label = facts.source_ids[op.id] if facts.source_ids is not None else op.id
+        n = node_for(op.id, op_nodes, canon_op, f"op:{label}:{op.primitive}",
                      (lambda d=derived: d) if derived is not None else
                      (lambda op=op: enumerate_cached(rules[op.id])))
         if derived is not None and lead is not None and op_nodes[op.id] == len(strategies) - 1:
@@ -320,7 +327,8 @@ def intraop_layout(graph: OpGraph, mesh: LogicalMesh, *, tie_period: int = 1,
     followers += _optimizer_followers(graph, input_nodes, strategies)
     base = np.concatenate([[0], np.cumsum([len(s) for s in strategies])]).astype(np.int64)
     recipe = _Recipe(graph, strategies, base, facts, param_events, op_events,
-                     _uses(graph, input_nodes, op_nodes, free), lambda n: _root(root, n))
+                     operand_uses(graph, input_nodes, op_nodes, free, facts.boundary),
+                     lambda n: _root(root, n))
     sizes = facts.factor_sizes
     return IntraOpLayout(graph=graph,
                          signature=layout_signature(graph, mesh, factor_sizes=sizes),
@@ -328,37 +336,6 @@ def intraop_layout(graph: OpGraph, mesh: LogicalMesh, *, tie_period: int = 1,
                          input_nodes=input_nodes, op_nodes=op_nodes, free_tensors=free,
                          followers=tuple(followers), base=base, edges=recipe.kept,
                          factor_sizes=sizes, _recipe=recipe)
-
-
-_Use = tuple[int, int, int, int, int, int, bool]
-"""(producer node, result index, consumer node, operand position or -1 for a state edge,
-tensor bytes, op count, read in place)."""
-
-
-def _uses(graph: OpGraph, input_nodes: Mapping[int, int], op_nodes: Mapping[int, int],
-          free: frozenset[int]) -> dict[_Use, int]:
-    """The operand uses of ``intraop._edges``, with how often each repeats, in its order."""
-    uses: dict[_Use, int] = {}
-    for op in graph.ops:
-        dst = op_nodes[op.id]
-        for i, t in enumerate(op.inputs):
-            src = _producer(graph, t, input_nodes, op_nodes)
-            if src is None or t in free:
-                continue
-            in_place = _read_in_place(graph, op, t, input_nodes)
-            key = (src[0], src[1], dst, i, graph.tensors[t].nbytes, op.count, in_place)
-            uses[key] = uses.get(key, 0) + 1
-    by_path = {(f"{p.arg_index}/{p.path}", p.shape): p.tensor for p in graph.parameters}
-    for out, path in zip(graph.outputs, graph.output_paths, strict=True):
-        if out is None or out in input_nodes:
-            continue
-        target = by_path.get((path, graph.tensors[out].shape))
-        src = _producer(graph, out, input_nodes, op_nodes)
-        if target is not None and src is not None:
-            key = (src[0], src[1], input_nodes[target], -1, graph.tensors[out].nbytes, 1,
-                   False)
-            uses[key] = uses.get(key, 0) + 1
-    return uses
 
 
 class _Keys:
@@ -471,7 +448,7 @@ class _Recipe:
 
     def __init__(self, graph: OpGraph, strategies: list[tuple[OpStrategy, ...]],
                  base: np.ndarray, facts: StepFacts, param_events: list[tuple[int, int]],
-                 op_events: list[tuple[int, int]], uses: dict[_Use, int], group_of) -> None:
+                 op_events: list[tuple[int, int]], uses: dict[Use, int], group_of) -> None:
         self.graph = graph
         self.strategies = strategies
         self.base = base
@@ -506,13 +483,13 @@ class _Recipe:
              steps_keys: _Keys) -> None:
         """Each op's roofline (compute) and partial-sum reductions (communication)."""
         graph, strategies, flat = self.graph, self.strategies, self._flat
-        rooflines = _Keys()  # (op id, dtype, class)
+        rooflines = _Keys()  # (op id, variant, dtype, class)
         compute_events: list[tuple[int, range]] = []
         entries: list[tuple[int, int]] = []
         reduce_events = []
         reduce_slots: list[list[int]] = []
         reduce_count: list[int] = []
-        fused: dict[int, Op] = {}
+        fused: dict[tuple[int, int], Op] = {}
         for n, o in op_events:
             op = graph.ops[o]
             partial = []
@@ -529,13 +506,15 @@ class _Recipe:
                 reduce_events.append((n, partial))
             if op.structural or op.attrs.get("folded"):
                 continue
-            fused[o], dtype, kind = facts.fused[o]
-            key = rooflines((o, dtype, kind))
-            compute_events.append((n, flat(n)))
-            entries.extend((key, k) for k in flat(n))
+            variants, dtype, kind = facts.fused[o]
+            for v, charged in enumerate(variants):
+                fused[(o, v)] = charged
+                key = rooflines((o, v, dtype, kind))
+                compute_events.append((n, flat(n)))
+                entries.extend((key, k) for k in flat(n))
         self.compute_adds = _Adds(compute_events)
-        self.roofline_table = RooflineTable([(fused[o], dtype, kind)
-                                             for o, dtype, kind in rooflines.keys])
+        self.roofline_table = RooflineTable([(fused[(o, v)], dtype, kind)
+                                             for o, v, dtype, kind in rooflines.keys])
         self.compute_key = np.asarray([key for key, _ in entries], dtype=np.int64)
         self.compute_entry_axes = self.entry_axes[np.asarray([k for _, k in entries],
                                                              dtype=np.int64)]
@@ -546,7 +525,7 @@ class _Recipe:
             self.reduce_slots[i, :len(slots)] = slots
         self.reduce_count = np.asarray(reduce_count, dtype=np.float64)
 
-    def _uses(self, uses: dict[_Use, int], group_of) -> _Reshards:
+    def _uses(self, uses: dict[Use, int], group_of) -> _Reshards:
         """Edges, the diagonals of edges inside a follower group, and self edges."""
         strategies, flat = self.strategies, self._flat
         reshards = _Reshards()

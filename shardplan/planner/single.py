@@ -37,6 +37,7 @@ from shardplan.planner.annotations import (
 )
 from shardplan.planner.config import PlanConfig
 from shardplan.planner.decode import decode_constraints, decode_input_specs, placed_analysis
+from shardplan.planner.fold import fold_blocks
 from shardplan.planner.intraop import IntraOpProblem, tie_layers
 from shardplan.planner.memory import MemoryPeak, check_state_fits, memory_peaks
 from shardplan.planner.mesh import MeshChoice, best_mesh, coarser_meshes
@@ -309,8 +310,10 @@ def _search(graph: OpGraph, cluster: Cluster, config: PlanConfig, budget: float,
         if ties in seen:  # e.g. a scanned stack, or too few blocks: the same problem again
             continue
         seen.append(ties)
+        # Python-loop blocks are solved once per distinct block (planner.fold).
+        fold = fold_blocks(graph, period) if period else None
         candidate = best_mesh(graph, group.device_ids, cluster, max_axes=config.max_mesh_axes,
-                              tie_period=period,
+                              tie_period=period, fold=fold,
                               time_limit_s=config.time_limit_s,
                               relative_gap=config.relative_gap,
                               memory_budget_bytes=budget, memory_peaks=cuts,
@@ -321,7 +324,7 @@ def _search(graph: OpGraph, cluster: Cluster, config: PlanConfig, budget: float,
         if choice is None or objective < (choice.solution.objective or float("inf")):
             if choice is not None:
                 others.append((choice.mesh, choice.solution, choice.problem))
-            choice, choice_period = candidate, period
+            choice, choice_period, choice_fold = candidate, period, fold
         else:
             others.append((candidate.mesh, candidate.solution, candidate.problem))
     assert choice is not None
@@ -335,6 +338,7 @@ def _search(graph: OpGraph, cluster: Cluster, config: PlanConfig, budget: float,
         if coarse:
             try:
                 extra = best_mesh(graph, group.device_ids, cluster, tie_period=choice_period,
+                                  fold=choice_fold,
                                   time_limit_s=config.time_limit_s,
                                   relative_gap=config.relative_gap,
                                   memory_budget_bytes=budget, memory_peaks=cuts,

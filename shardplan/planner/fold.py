@@ -1,0 +1,332 @@
+"""Repeated blocks of a Python loop folded into one, so the intra-op problem is a block's size.
+
+A model written as a Python loop over identical blocks traces to an unrolled graph: GPT-3 175B
+has 96 copies of every block op (80k ops). Design decision 2 is to solve each distinct block
+once and stamp the answer onto its copies, as a scanned stack (``nnx.scan``) is solved: its
+body appears once with an execution count. :func:`fold_blocks` gives a loop graph that shape.
+
+Folding. The blocks of one fingerprint (:attr:`Layer.fingerprint`, Python-loop blocks only) are
+its *members*; with period ``p`` the first ``p`` members are the *representatives* and member
+``k`` folds into representative ``k mod p`` (``p = 2`` lets identical layers alternate, as
+Megatron MLP pairs do; ``planner.intraop.tie_layers`` uses the same rule). A member folds only
+if its ops line up with its representative's position by position (primitive, operand and
+result shapes and dtypes; scalar-only and constant-folded ops are not compared, and stay in the
+folded graph as they are) and so do its parameters; a fingerprint with a member that does not
+is left unfolded. The folded graph keeps every tensor (same ids) and every parameter, drops the
+folded members' ops and multiplies each representative op's count by the members folded into
+it; folded members keep their layer entry with no ops of their own, so ``tie_layers`` ties
+their parameters to the representative's (one node each, their bytes adding up).
+
+The boundary between blocks. Member ``k`` reads what member ``k - 1`` wrote (the residual
+stream forward, its cotangent backward); folded, that is the representative reading its own
+later result, a cycle no op graph can hold. Each representative operand therefore reads one
+*primary* source in the folded graph: the one its members read that is computed before the op
+(the value entering the stack: the embedding's output forward, the head's cotangent backward),
+priced for the executions that really read it (:attr:`BoundaryUses.counts`); the members
+reading the representative's own results instead are :attr:`BoundaryUses.carries`, extra
+operand uses the problem builders add as edges (priced for ``n - 1`` executions). A stamped
+plan whose block output differs from what the next block reads therefore pays the reshard,
+``n - 1`` times, in the objective, and the solver chooses consistent shardings where they are
+cheaper. :func:`expand` maps a problem solved on the folded graph back to the full graph's op
+and tensor ids, so decoding, predictions and memory cuts run on the full graph as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+from shardplan.cost.compute import with_materialized_bytes
+from shardplan.cost.memory import buffer_tensors
+from shardplan.trace.graph import Layer, Op, OpGraph, Tensor
+
+if TYPE_CHECKING:
+    from shardplan.planner.intraop import IntraOpProblem
+
+__all__ = ["BoundaryUses", "Carry", "Fold", "expand", "fold_blocks"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Carry:
+    """An operand use the folded graph cannot hold: op ``op`` reads ``tensor`` as operand
+    ``position`` in ``executions`` of its executions (folded members reading a representative's
+    later result: the value the previous block hands on)."""
+
+    tensor: int
+    op: int
+    position: int
+    executions: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundaryUses:
+    """How often folded ops read their operands, where that is not the op's ``count``.
+
+    Attributes:
+      counts: ``{(op id, operand position): executions}``: executions that read the operand as
+        the folded graph wires it (the primary source).
+      carries: the other sources of those operands.
+    """
+
+    counts: Mapping[tuple[int, int], int] = dataclasses.field(default_factory=dict)
+    carries: tuple[Carry, ...] = ()
+
+    def count(self, op: Op, position: int) -> int:
+        """Executions of ``op`` that read its operand ``position`` as wired."""
+        return self.counts.get((op.id, position), op.count)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Fold:
+    """A graph with its repeated loop blocks folded (see the module docstring).
+
+    Attributes:
+      graph: the folded graph (ops renumbered, tensors and parameters as in ``source``).
+      source: the full graph.
+      op_of: per op of ``source``, the folded op that computes it (a folded member's op: its
+        representative's).
+      source_ids: per folded op, its id in ``source`` (solver nodes are named after it, so
+        the solver's tie-breaking salt is the unfolded problem's).
+      tensor_of: per result of a folded member's op, the representative's corresponding result.
+      boundary: the operand uses of the folded graph that differ from its ops' counts.
+      members: per representative layer index, how many layers fold into it (itself included).
+      period: the folding period.
+      charged: per costed folded op (not structural, not constant-folded), the op as the cost
+        model charges it (``cost.compute.with_materialized_bytes``), as the *full* graph's
+        buffers have it (folding rewires readers, which would change what XLA keeps in
+        memory): one variant per distinct charge among the members it stands for, each with
+        their executions as its count (the counts add up to the folded op's).
+    """
+
+    graph: OpGraph
+    source: OpGraph
+    op_of: tuple[int, ...]
+    source_ids: tuple[int, ...]
+    tensor_of: Mapping[int, int]
+    boundary: BoundaryUses
+    members: Mapping[int, int]
+    period: int
+    charged: Mapping[int, tuple[Op, ...]] = dataclasses.field(default_factory=dict)
+
+
+def costed_ops(graph: OpGraph, ops: Sequence[int]) -> list[int]:
+    """The ops that define a layer's fingerprint: not folded away, not scalar-only (a loop
+    index bumped between blocks, a literal cast, sit where the tracer put them and differ
+    between otherwise equal blocks)."""
+    out = []
+    for o in ops:
+        op = graph.ops[o]
+        if op.attrs.get("folded"):
+            continue
+        if any(graph.tensors[t].shape for t in (*op.inputs, *op.outputs)):
+            out.append(o)
+    return out
+
+
+def _aligned(graph: OpGraph, ops: Sequence[int], ref_ops: Sequence[int], layer: Layer,
+             ref: Layer) -> bool:
+    """Whether ``ops`` (of ``layer``) compute what ``ref_ops`` (of ``ref``) do, op by op, and
+    the two layers' parameters agree."""
+    if len(ops) != len(ref_ops) or len(layer.params) != len(ref.params):
+        return False
+    tensors = graph.tensors
+
+    def signature(ids: Sequence[int]) -> tuple:
+        return tuple((tensors[t].shape, tensors[t].dtype) for t in ids)
+
+    for a, b in zip(ops, ref_ops, strict=True):
+        x, y = graph.ops[a], graph.ops[b]
+        if (x.primitive != y.primitive or x.count != y.count or x.phase != y.phase
+                or signature(x.inputs) != signature(y.inputs)
+                or signature(x.outputs) != signature(y.outputs)):
+            return False
+    by_path = graph.param_by_path
+    return all(by_path[a].shape == by_path[b].shape and by_path[a].dtype == by_path[b].dtype
+               for a, b in zip(layer.params, ref.params, strict=True))
+
+
+def _matched_constants(graph: OpGraph, layer: Layer, ref: Layer, costed: Sequence[int],
+                       ref_costed: Sequence[int]) -> list[tuple[int, int]]:
+    """The scalar-only and constant-folded ops of ``layer`` paired with ``ref``'s: the k-th op
+    of each kind (primitive, phase, operand and result shapes) with the k-th of that kind.
+    They cost nothing and hold no choice (a scalar is replicated; a constant is regenerated
+    where it is read), so pairing them only keeps the folded graph small; ops of a kind
+    one of the two layers has more of (a loop index bumped between blocks) stay as they are."""
+    tensors = graph.tensors
+
+    def kinds(ops: Sequence[int], skip: Sequence[int]) -> dict[tuple, list[int]]:
+        out: dict[tuple, list[int]] = defaultdict(list)
+        dropped = set(skip)
+        for o in ops:
+            if o in dropped:
+                continue
+            op = graph.ops[o]
+            out[(op.primitive, op.phase, op.count, bool(op.attrs.get("folded")),
+                 tuple(tensors[t].shape for t in op.inputs),
+                 tuple(tensors[t].shape for t in op.outputs))].append(o)
+        return out
+
+    mine, theirs = kinds(layer.ops, costed), kinds(ref.ops, ref_costed)
+    return [pair for key, ops in mine.items() if len(ops) == len(theirs.get(key, ()))
+            for pair in zip(ops, theirs[key], strict=True)]
+
+
+def _fold_map(graph: OpGraph, period: int
+              ) -> tuple[dict[int, int], dict[int, int], dict[int, int]]:
+    """``{folded member layer: representative layer}``, ``{member op: representative op}`` and
+    ``{member parameter tensor: representative parameter tensor}``."""
+    groups: dict[str, list[Layer]] = defaultdict(list)
+    for layer in graph.blocks:
+        if layer.op_share == 1.0 and layer.ops:  # a scanned stack is folded already
+            groups[layer.fingerprint].append(layer)
+    layer_of: dict[int, int] = {}
+    op_rep: dict[int, int] = {}
+    param_of: dict[int, int] = {}
+    by_path = graph.param_by_path
+    state_of: dict[str, list[int]] = defaultdict(list)  # parameter path -> its optimizer state
+    for p in graph.parameters:
+        if p.role == "optimizer_state" and p.param_path is not None:
+            state_of[p.param_path].append(p.tensor)
+    for members in groups.values():
+        if len(members) <= period:
+            continue
+        pairs = [(m, members[k % period]) for k, m in enumerate(members) if k >= period]
+        ops = {layer.index: costed_ops(graph, layer.ops) for layer in members}
+        if not all(_aligned(graph, ops[m.index], ops[ref.index], m, ref) for m, ref in pairs):
+            continue  # a member computes something else: the fingerprint stays unfolded
+        for m, ref in pairs:
+            layer_of[m.index] = ref.index
+            op_rep.update(zip(ops[m.index], ops[ref.index], strict=True))
+            op_rep.update(_matched_constants(graph, m, ref, ops[m.index], ops[ref.index]))
+            for a, b in zip(m.params, ref.params, strict=True):
+                param_of[by_path[a].tensor] = by_path[b].tensor
+                # Its optimizer state (Adam's moments) follows a parameter's sharding: the
+                # update reads the representative's in every member.
+                if len(state_of[a]) == len(state_of[b]):
+                    param_of.update(zip(state_of[a], state_of[b], strict=True))
+    return layer_of, op_rep, param_of
+
+
+def fold_blocks(graph: OpGraph, period: int = 1) -> Fold | None:
+    """Folds the Python-loop blocks of ``graph`` with equal fingerprints (see the module
+    docstring); None when nothing folds (no repetition, or a scanned stack)."""
+    if period < 1:
+        return None
+    layer_of, op_rep, param_of = _fold_map(graph, period)
+    if not op_rep:
+        return None
+    tensor_of: dict[int, int] = {}
+    for member, rep in op_rep.items():
+        tensor_of.update(zip(graph.ops[member].outputs, graph.ops[rep].outputs, strict=True))
+    # Per kept op, the member ops folded into it (itself first).
+    folded_into: dict[int, list[int]] = defaultdict(list)
+    for member, rep in op_rep.items():
+        folded_into[rep].append(member)
+    new_id: dict[int, int] = {}
+    for op in graph.ops:
+        if op.id not in op_rep:
+            new_id[op.id] = len(new_id)
+    ops: list[Op] = []
+    counts: dict[tuple[int, int], int] = {}
+    carries: list[Carry] = []
+    for op in graph.ops:
+        if op.id in op_rep:
+            continue
+        executions = [op.id, *folded_into.get(op.id, ())]
+        inputs = []
+        for i, own in enumerate(op.inputs):
+            # The sources this operand has across the members, as the folded graph names them.
+            sources: dict[int, int] = {}
+            for o in executions:
+                t = graph.ops[o].inputs[i]
+                t = tensor_of.get(t, param_of.get(t, t))
+                sources[t] = sources.get(t, 0) + graph.ops[o].count
+            primary = _primary(graph, op.id, tensor_of.get(own, own), sources)
+            if primary is None:
+                return None  # no source precedes the op: refuse to fold
+            inputs.append(primary)
+            if len(sources) > 1:
+                counts[(new_id[op.id], i)] = sources[primary]
+                carries += [Carry(t, new_id[op.id], i, n) for t, n in sources.items()
+                            if t != primary]
+        count = sum(graph.ops[o].count for o in executions)
+        ops.append(dataclasses.replace(op, id=new_id[op.id], inputs=tuple(inputs), count=count))
+    return _assemble(graph, ops, new_id, op_rep, tensor_of, layer_of,
+                     BoundaryUses(counts, tuple(carries)), period)
+
+
+def _primary(graph: OpGraph, op: int, own: int, sources: Mapping[int, int]) -> int | None:
+    """The source an op of the folded graph reads (computed before it: an argument, or an op
+    earlier in program order); its own member's if that qualifies, else the most read one."""
+
+    def before(t: int) -> bool:
+        producer = graph.tensors[t].producer
+        return producer is None or producer < op
+
+    if before(own):
+        return own
+    earlier = [t for t in sources if before(t)]
+    if not earlier:
+        return None
+    return max(earlier, key=lambda t: (sources[t], -t))
+
+
+def _assemble(graph: OpGraph, ops: list[Op], new_id: Mapping[int, int],
+              op_rep: Mapping[int, int], tensor_of: Mapping[int, int],
+              layer_of: Mapping[int, int], boundary: BoundaryUses, period: int) -> Fold:
+    """The :class:`Fold` of the folded ops: tensors, parameters, layers and outputs rewired."""
+    def rewired(t: Tensor) -> Tensor:
+        if t.producer is None:
+            return t
+        producer = None if t.producer in op_rep else new_id[t.producer]
+        return t if producer == t.producer else dataclasses.replace(t, producer=producer)
+
+    tensors = tuple(rewired(t) for t in graph.tensors)
+    op_of = tuple(new_id[op_rep.get(o.id, o.id)] for o in graph.ops)
+    parameters = tuple(dataclasses.replace(
+        p, readers=tuple(sorted({op_of[r] for r in p.readers}))) for p in graph.parameters)
+    members: dict[int, int] = defaultdict(lambda: 1)
+    for rep in layer_of.values():
+        members[rep] += 1
+    layers = tuple(dataclasses.replace(
+        layer, ops=tuple(new_id[o] for o in layer.ops if o not in op_rep))
+        for layer in graph.layers)
+    outputs = tuple(None if t is None else tensor_of.get(t, t) for t in graph.outputs)
+    folded = dataclasses.replace(graph, ops=tuple(ops), tensors=tensors, parameters=parameters,
+                                 layers=layers, outputs=outputs)
+    buffers = buffer_tensors(graph)
+    executions: dict[int, list[int]] = defaultdict(list)
+    for o, f in enumerate(op_of):
+        executions[f].append(o)
+    charged: dict[int, tuple[Op, ...]] = {}
+    for op in ops:
+        if op.structural or op.attrs.get("folded"):
+            continue
+        # Members differ only in which of their operands and results live in memory (block 0
+        # reads the embedding's output fused, the others a residual sum in memory): one
+        # variant per distinct charge, with the executions of its members.
+        variants: dict[tuple[int, int], list[int]] = {}
+        for o in executions[op.id]:
+            member = with_materialized_bytes(graph.ops[o], graph, lambda t: buffers[t])
+            entry = variants.setdefault((member.bytes_read, member.bytes_written), [0])
+            entry[0] += member.count
+        charged[op.id] = tuple(
+            dataclasses.replace(op, bytes_read=read, bytes_written=written, count=count)
+            for (read, written), (count,) in variants.items())
+    source_ids = tuple(sorted(new_id, key=new_id.__getitem__))
+    return Fold(graph=folded, source=graph, op_of=op_of, source_ids=source_ids,
+                tensor_of=dict(tensor_of),
+                boundary=boundary, members=dict(members), period=period, charged=charged)
+
+
+def expand(fold: Fold, ip: IntraOpProblem) -> IntraOpProblem:
+    """``ip`` (an intra-op problem of ``fold.graph``) on the
+    full graph's op and tensor ids: every folded member's op takes its representative's node,
+    and a result of a folded op is regenerated from constants where its representative's is."""
+    op_of = fold.op_of
+    op_nodes = {o: ip.op_nodes[op_of[o]] for o in range(len(op_of))}
+    free = frozenset(t for t in range(len(fold.source.tensors))
+                     if fold.tensor_of.get(t, t) in ip.free_tensors)
+    return dataclasses.replace(ip, op_nodes=op_nodes, free_tensors=free)

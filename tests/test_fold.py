@@ -1,0 +1,122 @@
+"""Python-loop blocks folded into one per fingerprint (planner/fold.py): the folded problem is
+the unrolled graph's tied problem, a block's size."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from test_layout import CLUSTER
+
+import models
+import shardplan as sp
+from shardplan.planner.fold import fold_blocks
+from shardplan.planner.intraop import build_intraop_problem
+from shardplan.planner.layout import intraop_layout, step_facts
+from shardplan.planner.mesh import candidate_meshes
+from shardplan.solver import evaluate, solve
+from shardplan.solver.reduce import SALTIPLIER
+
+
+def _graph(name: str, layers: int, *, scan: bool = False, batch: int = 8) -> sp.OpGraph:
+    config = models.load_model_config(name, overrides={"n_layers": layers, "scan_layers": scan})
+    graphdef, state = models.abstract_train_state(config)
+    return sp.trace(models.make_train_step(graphdef), state,
+                    models.example_batch(config, batch, abstract=True))
+
+
+@pytest.fixture(scope="module")
+def gpt4() -> sp.OpGraph:
+    return _graph("gpt-tiny", 4)
+
+
+def test_a_loop_folds_into_one_block_per_fingerprint(gpt4) -> None:
+    fold = fold_blocks(gpt4)
+    assert fold is not None
+    blocks = [layer.index for layer in gpt4.blocks]
+    assert dict(fold.members) == {blocks[0]: 4}
+    # Every op of the loop is computed by a folded op of the same primitive, and the folded
+    # graph executes what the loop does: the same FLOPs, a block's ops once.
+    assert all(gpt4.ops[o].primitive == fold.graph.ops[f].primitive
+               for o, f in enumerate(fold.op_of))
+    assert math.isclose(fold.graph.total_flops(), gpt4.total_flops(), rel_tol=1e-12)
+    block_ops = len(gpt4.layers[blocks[0]].ops)
+    assert len(fold.graph.ops) <= len(gpt4.ops) - 3 * block_ops + 3 * 2  # a loop index each
+    # The state is all there: every leaf, and every result computed by a folded op.
+    assert [(p.path, p.tensor) for p in fold.graph.parameters] == [
+        (p.path, p.tensor) for p in gpt4.parameters]
+    inputs = set(fold.graph.inputs)
+    assert all(t is None or t in inputs or fold.graph.tensors[t].producer is not None
+               for t in fold.graph.outputs)
+    # The residual stream between blocks is what the folded graph cannot wire: carries, read
+    # by the first block's ops for the three blocks that follow it (forward) or precede it
+    # in the backward pass. (Each block's optimizer state, read by the update, and constants
+    # computed per block, regenerated where they are read, are carried too.)
+    graph = fold.graph
+
+    def computed_value(t: int) -> bool:
+        producer = graph.tensors[t].producer
+        return producer is not None and not graph.ops[producer].attrs.get("folded")
+
+    computed = [c for c in fold.boundary.carries if computed_value(c.tensor)]
+    assert {c.executions for c in computed} == {3}
+    phases = {graph.ops[c.op].phase for c in computed}
+    assert phases == {"forward", "backward"}
+    assert {graph.tensors[c.tensor].shape for c in computed if graph.ops[c.op].phase
+            == "forward"} == {(8, 32, 64)}  # [batch, seq, d_model]
+
+
+def test_a_scanned_stack_has_nothing_to_fold() -> None:
+    assert fold_blocks(_graph("gpt-tiny", 4, scan=True)) is None
+
+
+@pytest.mark.parametrize(("name", "period"), [("gpt-tiny", 1), ("gpt-tiny", 2),
+                                              ("llama-tiny", 1)])
+def test_the_folded_problem_is_the_unrolled_graphs_tied_problem(name: str,
+                                                                period: int) -> None:
+    # Tying the unrolled graph's blocks gives one set of variables per block; folding them
+    # builds that problem from one block. Same optimum, and any assignment of the folded
+    # problem costs on the tied one exactly what it costs folded.
+    graph = _graph(name, 4)
+    fold = fold_blocks(graph, period)
+    assert fold is not None
+    mesh = candidate_meshes(CLUSTER.groups[0].device_ids[:8], CLUSTER)[0]
+    tied = build_intraop_problem(graph, mesh, CLUSTER, tie_period=period)
+    folded = build_intraop_problem(graph, mesh, CLUSTER, tie_period=period, fold=fold)
+    assert len(folded.problem.nodes) < len(tied.problem.nodes)
+    assert len(folded.problem.edges) < len(tied.problem.edges)
+    # The folded problem names the full graph's ops and leaves.
+    assert set(folded.op_nodes) == set(tied.op_nodes)
+    assert set(folded.input_nodes) == set(tied.input_nodes)
+    solution = solve(folded.problem)
+    assert solution.status == "optimal" and solution.assignment is not None
+    mapped = [0] * len(tied.problem.nodes)
+    for table, own in ((tied.input_nodes, folded.input_nodes), (tied.op_nodes, folded.op_nodes)):
+        for key, node in table.items():
+            mapped[node] = solution.assignment[own[key]]
+    assert math.isclose(evaluate(tied.problem, mapped).cost.total, solution.objective,
+                        rel_tol=1e-12)
+    # Both minimise their costs salted by node name (<= SALTIPLIER relative, to break ties):
+    # where two shardings nearly tie, the two may pick either.
+    assert math.isclose(solve(tied.problem).objective, solution.objective,
+                        rel_tol=SALTIPLIER)
+
+
+def test_a_layout_of_the_folded_graph_is_the_problem_built_there(gpt4) -> None:
+    fold = fold_blocks(gpt4)
+    assert fold is not None
+    facts = step_facts(fold.graph, fold=fold)
+    for ids in (CLUSTER.groups[0].device_ids[:4], CLUSTER.groups[1].device_ids[:4]):
+        for mesh in candidate_meshes(ids, CLUSTER):
+            layout = intraop_layout(fold.graph, mesh, facts=facts)
+            got = layout.problem(mesh, CLUSTER, relative_gap=0.01)
+            want = build_intraop_problem(gpt4, mesh, CLUSTER, fold=fold, relative_gap=0.01)
+            assert got.problem == want.problem, mesh
+            assert got.strategies == want.strategies
+
+
+def test_a_fold_of_another_graph_is_refused(gpt4) -> None:
+    fold = fold_blocks(gpt4)
+    mesh = candidate_meshes(CLUSTER.groups[0].device_ids[:2], CLUSTER)[0]
+    with pytest.raises(ValueError, match="fold_blocks"):
+        build_intraop_problem(gpt4, mesh, CLUSTER, tie_period=2, fold=fold)
