@@ -89,7 +89,10 @@ class Fold:
         representative's).
       source_ids: per folded op, its id in ``source`` (solver nodes are named after it, so
         the solver's tie-breaking salt is the unfolded problem's).
-      tensor_of: per result of a folded member's op, the representative's corresponding result.
+      tensor_ids: per tensor of the folded graph, its id in ``source`` (the folded graph keeps
+        the tensors its ops, parameters and results name, renumbered in order).
+      tensor_of: per result of a folded member's op, the representative's corresponding result
+        (ids of ``source``).
       boundary: the operand uses of the folded graph that differ from its ops' counts.
       members: per representative layer index, how many layers fold into it (itself included).
       period: the folding period.
@@ -104,6 +107,7 @@ class Fold:
     source: OpGraph
     op_of: tuple[int, ...]
     source_ids: tuple[int, ...]
+    tensor_ids: tuple[int, ...]
     tensor_of: Mapping[int, int]
     boundary: BoundaryUses
     members: Mapping[int, int]
@@ -225,17 +229,16 @@ def fold_blocks(graph: OpGraph, period: int = 1) -> Fold | None:
     for member, rep in op_rep.items():
         folded_into[rep].append(member)
     new_id: dict[int, int] = {}
-    for op in graph.ops:
-        if op.id not in op_rep:
-            new_id[op.id] = len(new_id)
     ops: list[Op] = []
     counts: dict[tuple[int, int], int] = {}
     carries: list[Carry] = []
+    seen: dict[tuple, int] = {}  # an op's computation -> the kept op computing it
     for op in graph.ops:
         if op.id in op_rep:
             continue
         executions = [op.id, *folded_into.get(op.id, ())]
         inputs = []
+        split: list[tuple[int, int, dict[int, int]]] = []
         for i, own in enumerate(op.inputs):
             # The sources this operand has across the members, as the folded graph names them.
             sources: dict[int, int] = {}
@@ -248,13 +251,39 @@ def fold_blocks(graph: OpGraph, period: int = 1) -> Fold | None:
                 return None  # no source precedes the op: refuse to fold
             inputs.append(primary)
             if len(sources) > 1:
-                counts[(new_id[op.id], i)] = sources[primary]
-                carries += [Carry(t, new_id[op.id], i, n) for t, n in sources.items()
-                            if t != primary]
+                split.append((i, primary, sources))
+        key = None if split or len(executions) > 1 or op.structural else _computation(
+            graph, op, inputs)
+        if key is not None and key in seen:
+            # What the members hand on outside the blocks is computed once per member, the same
+            # way on the same (folded) operands: one op with their executions. (A global
+            # gradient norm squares each block's gradient leaves.)
+            first = seen[key]
+            op_rep[op.id] = first
+            tensor_of.update(zip(op.outputs, graph.ops[first].outputs, strict=True))
+            index = new_id[first]
+            ops[index] = dataclasses.replace(ops[index], count=ops[index].count + op.count)
+            continue
+        if key is not None:
+            seen[key] = op.id
+        new_id[op.id] = len(ops)
+        for i, primary, sources in split:
+            counts[(new_id[op.id], i)] = sources[primary]
+            carries += [Carry(t, new_id[op.id], i, n) for t, n in sources.items()
+                        if t != primary]
         count = sum(graph.ops[o].count for o in executions)
         ops.append(dataclasses.replace(op, id=new_id[op.id], inputs=tuple(inputs), count=count))
     return _assemble(graph, ops, new_id, op_rep, tensor_of, layer_of,
                      BoundaryUses(counts, tuple(carries)), period)
+
+
+def _computation(graph: OpGraph, op: Op, inputs: Sequence[int]) -> tuple:
+    """What ``op`` computes, reading ``inputs``: equal for ops that compute the same value."""
+    tensors = graph.tensors
+    return (op.primitive, tuple(inputs), op.phase, op.layers, op.count, op.flops,
+            op.transcendentals, op.bytes_read, op.bytes_written,
+            tuple((tensors[t].shape, tensors[t].dtype) for t in op.outputs),
+            repr(sorted(op.attrs.items())))
 
 
 def _primary(graph: OpGraph, op: int, own: int, sources: Mapping[int, int]) -> int | None:
@@ -276,26 +305,42 @@ def _primary(graph: OpGraph, op: int, own: int, sources: Mapping[int, int]) -> i
 def _assemble(graph: OpGraph, ops: list[Op], new_id: Mapping[int, int],
               op_rep: Mapping[int, int], tensor_of: Mapping[int, int],
               layer_of: Mapping[int, int], boundary: BoundaryUses, period: int) -> Fold:
-    """The :class:`Fold` of the folded ops: tensors, parameters, layers and outputs rewired."""
-    def rewired(t: Tensor) -> Tensor:
-        if t.producer is None:
-            return t
-        producer = None if t.producer in op_rep else new_id[t.producer]
-        return t if producer == t.producer else dataclasses.replace(t, producer=producer)
+    """The :class:`Fold` of the folded ops: tensors, parameters, layers and outputs rewired,
+    and the tensors renumbered to those the folded graph still names (the members' results
+    are gone), in their order."""
+    outputs_old = tuple(None if t is None else tensor_of.get(t, t) for t in graph.outputs)
+    used = set(graph.inputs) | {p.tensor for p in graph.parameters}
+    used.update(t for t in outputs_old if t is not None)
+    used.update(c.tensor for c in boundary.carries)
+    for op in ops:
+        used.update(op.inputs)
+        used.update(op.outputs)
+    tensor_ids = tuple(sorted(used))  # per folded tensor, its id in the full graph
+    tid = {old: new for new, old in enumerate(tensor_ids)}
 
-    tensors = tuple(rewired(t) for t in graph.tensors)
+    def rewired(t: Tensor, new: int) -> Tensor:
+        producer = None if t.producer is None or t.producer in op_rep else new_id[t.producer]
+        return dataclasses.replace(t, id=new, producer=producer)
+
+    tensors = tuple(rewired(graph.tensors[old], new) for new, old in enumerate(tensor_ids))
+    ops = [dataclasses.replace(op, inputs=tuple(tid[t] for t in op.inputs),
+                               outputs=tuple(tid[t] for t in op.outputs)) for op in ops]
+    boundary = BoundaryUses(boundary.counts, tuple(dataclasses.replace(c, tensor=tid[c.tensor])
+                                                   for c in boundary.carries))
     op_of = tuple(new_id[op_rep.get(o.id, o.id)] for o in graph.ops)
     parameters = tuple(dataclasses.replace(
-        p, readers=tuple(sorted({op_of[r] for r in p.readers}))) for p in graph.parameters)
+        p, tensor=tid[p.tensor], readers=tuple(sorted({op_of[r] for r in p.readers})))
+        for p in graph.parameters)
     members: dict[int, int] = defaultdict(lambda: 1)
     for rep in layer_of.values():
         members[rep] += 1
     layers = tuple(dataclasses.replace(
         layer, ops=tuple(new_id[o] for o in layer.ops if o not in op_rep))
         for layer in graph.layers)
-    outputs = tuple(None if t is None else tensor_of.get(t, t) for t in graph.outputs)
+    outputs = tuple(None if t is None else tid[t] for t in outputs_old)
     folded = dataclasses.replace(graph, ops=tuple(ops), tensors=tensors, parameters=parameters,
-                                 layers=layers, outputs=outputs)
+                                 layers=layers, inputs=tuple(tid[t] for t in graph.inputs),
+                                 outputs=outputs)
     buffers = buffer_tensors(graph)
     executions: dict[int, list[int]] = defaultdict(list)
     for o, f in enumerate(op_of):
@@ -317,16 +362,19 @@ def _assemble(graph: OpGraph, ops: list[Op], new_id: Mapping[int, int],
             for (read, written), (count,) in variants.items())
     source_ids = tuple(sorted(new_id, key=new_id.__getitem__))
     return Fold(graph=folded, source=graph, op_of=op_of, source_ids=source_ids,
-                tensor_of=dict(tensor_of),
+                tensor_ids=tensor_ids, tensor_of=dict(tensor_of),
                 boundary=boundary, members=dict(members), period=period, charged=charged)
 
 
 def expand(fold: Fold, ip: IntraOpProblem) -> IntraOpProblem:
-    """``ip`` (an intra-op problem of ``fold.graph``) on the
-    full graph's op and tensor ids: every folded member's op takes its representative's node,
-    and a result of a folded op is regenerated from constants where its representative's is."""
-    op_of = fold.op_of
+    """``ip`` (an intra-op problem of ``fold.graph``) on the full graph's op and tensor ids:
+    every folded member's op takes its representative's node, and a result of a folded op is
+    regenerated from constants where its representative's is."""
+    op_of, ids = fold.op_of, fold.tensor_ids
     op_nodes = {o: ip.op_nodes[op_of[o]] for o in range(len(op_of))}
+    input_nodes = {ids[t]: n for t, n in ip.input_nodes.items()}
+    free_full = {ids[t] for t in ip.free_tensors}
     free = frozenset(t for t in range(len(fold.source.tensors))
-                     if fold.tensor_of.get(t, t) in ip.free_tensors)
-    return dataclasses.replace(ip, op_nodes=op_nodes, free_tensors=free)
+                     if fold.tensor_of.get(t, t) in free_full)
+    return dataclasses.replace(ip, input_nodes=input_nodes, op_nodes=op_nodes,
+                               free_tensors=free)

@@ -280,7 +280,9 @@ def build_intraop_problem(
     arguments = tuple(sorted(set(input_nodes.values())))
     # Memory peaks are the full graph's (its estimate's buffers and op positions).
     full_ops = op_nodes if fold is None else {o: op_nodes[f] for o, f in enumerate(fold.op_of)}
-    cuts = tuple(memory_cut(full, mesh, peak, arguments, memory, input_nodes, full_ops,
+    full_inputs = (input_nodes if fold is None
+                   else {fold.tensor_ids[t]: n for t, n in input_nodes.items()})
+    cuts = tuple(memory_cut(full, mesh, peak, arguments, memory, full_inputs, full_ops,
                             strategies, name=f"memory peak {k}")
                  for k, peak in enumerate(memory_peaks if memory_budget_bytes else ()))
     nodes = tuple(Node(name=names[i], compute_cost=tuple(compute[i]),
