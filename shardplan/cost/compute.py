@@ -290,11 +290,19 @@ def _share(tensor_ids: Iterable[int], graph: OpGraph, keep: Callable[[int], bool
     return sum(size for size, kept in sizes if kept) / total if total else 1.0
 
 
-def with_materialized_bytes(op: Op, graph: OpGraph, materialized: Callable[[int], bool]) -> Op:
-    """``op`` charged only for the operands and results that live in device memory."""
+def materialized_bytes(op: Op, graph: OpGraph,
+                       materialized: Callable[[int], bool]) -> tuple[int, int]:
+    """The bytes ``op`` reads and writes of the operands and results that live in device
+    memory (:func:`with_materialized_bytes` without building the op)."""
     read = op.bytes_read * _share(op.inputs, graph, materialized)
     written = op.bytes_written * _share(op.outputs, graph, materialized)
-    return dataclasses.replace(op, bytes_read=round(read), bytes_written=round(written))
+    return round(read), round(written)
+
+
+def with_materialized_bytes(op: Op, graph: OpGraph, materialized: Callable[[int], bool]) -> Op:
+    """``op`` charged only for the operands and results that live in device memory."""
+    read, written = materialized_bytes(op, graph, materialized)
+    return dataclasses.replace(op, bytes_read=read, bytes_written=written)
 
 
 def op_times(

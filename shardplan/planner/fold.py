@@ -38,7 +38,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from shardplan.cost.compute import with_materialized_bytes
+from shardplan.cost.compute import materialized_bytes
 from shardplan.cost.memory import buffer_tensors
 from shardplan.trace.graph import Layer, Op, OpGraph, Tensor
 
@@ -354,8 +354,9 @@ def _assemble(graph: OpGraph, ops: list[Op], new_id: Mapping[int, int],
         # variant per distinct charge, with the executions of its members.
         variants: dict[tuple[int, int], list[int]] = {}
         for o in executions[op.id]:
-            member = with_materialized_bytes(graph.ops[o], graph, lambda t: buffers[t])
-            entry = variants.setdefault((member.bytes_read, member.bytes_written), [0])
+            member = graph.ops[o]
+            entry = variants.setdefault(materialized_bytes(member, graph, buffers.__getitem__),
+                                        [0])
             entry[0] += member.count
         charged[op.id] = tuple(
             dataclasses.replace(op, bytes_read=read, bytes_written=written, count=count)
