@@ -60,7 +60,9 @@ def test_a_loop_folds_into_one_block_per_fingerprint(gpt4) -> None:
         producer = graph.tensors[t].producer
         return producer is not None and not graph.ops[producer].attrs.get("folded")
 
-    computed = [c for c in fold.boundary.carries if computed_value(c.tensor)]
+    # (Scalar sums accumulated block after block, a global norm's, are carried as well.)
+    computed = [c for c in fold.boundary.carries
+                if computed_value(c.tensor) and graph.tensors[c.tensor].shape]
     assert {c.executions for c in computed} == {3}
     phases = {graph.ops[c.op].phase for c in computed}
     assert phases == {"forward", "backward"}

@@ -230,59 +230,78 @@ def fold_blocks(graph: OpGraph, period: int = 1) -> Fold | None:
         folded_into[rep].append(member)
     new_id: dict[int, int] = {}
     ops: list[Op] = []
-    counts: dict[tuple[int, int], int] = {}
-    carries: list[Carry] = []
+    reads: list[list[dict[int, int]]] = []  # per kept op and operand: {source: executions}
     seen: dict[tuple, int] = {}  # an op's computation -> the kept op computing it
     for op in graph.ops:
         if op.id in op_rep:
             continue
         executions = [op.id, *folded_into.get(op.id, ())]
-        inputs = []
-        split: list[tuple[int, int, dict[int, int]]] = []
+        inputs, sources = [], []
         for i, own in enumerate(op.inputs):
             # The sources this operand has across the members, as the folded graph names them.
-            sources: dict[int, int] = {}
+            by_source: dict[int, int] = {}
             for o in executions:
                 t = graph.ops[o].inputs[i]
                 t = tensor_of.get(t, param_of.get(t, t))
-                sources[t] = sources.get(t, 0) + graph.ops[o].count
-            primary = _primary(graph, op.id, tensor_of.get(own, own), sources)
+                by_source[t] = by_source.get(t, 0) + graph.ops[o].count
+            primary = _primary(graph, op.id, tensor_of.get(own, own), by_source)
             if primary is None:
                 return None  # no source precedes the op: refuse to fold
             inputs.append(primary)
-            if len(sources) > 1:
-                split.append((i, primary, sources))
-        key = None if split or len(executions) > 1 or op.structural else _computation(
-            graph, op, inputs)
+            sources.append(by_source)
+        key = (None if len(executions) > 1 or op.structural
+               else _computation(graph, op, inputs, ops, new_id))
         if key is not None and key in seen:
             # What the members hand on outside the blocks is computed once per member, the same
             # way on the same (folded) operands: one op with their executions. (A global
-            # gradient norm squares each block's gradient leaves.)
-            first = seen[key]
-            op_rep[op.id] = first
-            tensor_of.update(zip(op.outputs, graph.ops[first].outputs, strict=True))
-            index = new_id[first]
-            ops[index] = dataclasses.replace(ops[index], count=ops[index].count + op.count)
+            # gradient norm squares each block's gradient leaves, and sums them in a chain.)
+            first = new_id[seen[key]]
+            op_rep[op.id] = seen[key]
+            tensor_of.update(zip(op.outputs, graph.ops[seen[key]].outputs, strict=True))
+            ops[first] = dataclasses.replace(ops[first], count=ops[first].count + op.count)
+            for i, t in enumerate(inputs):
+                reads[first][i][t] = reads[first][i].get(t, 0) + op.count
             continue
         if key is not None:
             seen[key] = op.id
         new_id[op.id] = len(ops)
-        for i, primary, sources in split:
-            counts[(new_id[op.id], i)] = sources[primary]
-            carries += [Carry(t, new_id[op.id], i, n) for t, n in sources.items()
-                        if t != primary]
+        reads.append(sources)
         count = sum(graph.ops[o].count for o in executions)
         ops.append(dataclasses.replace(op, id=new_id[op.id], inputs=tuple(inputs), count=count))
+    counts: dict[tuple[int, int], int] = {}
+    carries: list[Carry] = []
+    for o, (op, operands) in enumerate(zip(ops, reads, strict=True)):
+        for i, by_source in enumerate(operands):
+            if len(by_source) > 1:
+                primary = op.inputs[i]
+                counts[(o, i)] = by_source[primary]
+                carries += [Carry(t, o, i, n) for t, n in by_source.items() if t != primary]
     return _assemble(graph, ops, new_id, op_rep, tensor_of, layer_of,
                      BoundaryUses(counts, tuple(carries)), period)
 
 
-def _computation(graph: OpGraph, op: Op, inputs: Sequence[int]) -> tuple:
-    """What ``op`` computes, reading ``inputs``: equal for ops that compute the same value."""
+def _computation(graph: OpGraph, op: Op, inputs: Sequence[int], ops: Sequence[Op],
+                 new_id: Mapping[int, int]) -> tuple:
+    """What ``op`` computes, reading ``inputs``: equal for ops that compute the same value. For
+    a scalar op, an operand written by an op of the same kind (primitive, layers, result
+    shapes) counts as the chain's previous link, whichever link it is (a sum accumulated op
+    after op): a scalar has one sharding, so the links lose no choice by sharing a node."""
     tensors = graph.tensors
-    return (op.primitive, tuple(inputs), op.phase, op.layers, op.count, op.flops,
-            op.transcendentals, op.bytes_read, op.bytes_written,
-            tuple((tensors[t].shape, tensors[t].dtype) for t in op.outputs),
+    outputs = tuple((tensors[t].shape, tensors[t].dtype) for t in op.outputs)
+    scalar = all(not shape for shape, _ in outputs)
+
+    def operand(t: int) -> object:
+        producer = tensors[t].producer
+        if scalar and producer is not None and producer in new_id:
+            p = ops[new_id[producer]]
+            if (p.primitive == op.primitive and p.layers == op.layers
+                    and tuple((tensors[u].shape, tensors[u].dtype) for u in p.outputs)
+                    == outputs):
+                return "chain"
+        return t
+
+    return (op.primitive, tuple(operand(t) for t in inputs), op.phase, op.layers, op.count,
+            op.flops, op.transcendentals, op.bytes_read, op.bytes_written, outputs,
             repr(sorted(op.attrs.items())))
 
 
