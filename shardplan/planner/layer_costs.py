@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -323,7 +323,7 @@ class _Readback:
         def local(t: int) -> int:
             return analysis.local_bytes(graph, t)
 
-        state = _state_bytes(graph, local)
+        state = _state_bytes(graph, local, self.layers)
         # What XLA keeps from the forward into the backward pass under each policy (full:
         # the layer's input only), per sample: weight casts and other batch-independent
         # values are not activations.
@@ -383,14 +383,17 @@ def _dropped_by(graph: OpGraph, policy: str) -> set[int]:
     return out
 
 
-def _state_bytes(graph: OpGraph, local) -> dict[int, float]:
-    """Per layer, bytes one device holds of its parameters, their gradients (as large as the
-    parameters) and their optimizer state; a stacked leaf (a scanned stack's) is split evenly
-    over the layers that own it."""
+def _state_bytes(graph: OpGraph, local, layers: Collection[int] | None = None
+                 ) -> dict[int, float]:
+    """Per layer (of ``layers``, default all), bytes one device holds of its parameters, their
+    gradients (as large as the parameters) and their optimizer state; a stacked leaf (a
+    scanned stack's) is split evenly over the layers that own it."""
     owners: dict[str, list[int]] = defaultdict(list)
     for layer in graph.layers:
         for owned in layer.params:
             owners[owned].append(layer.index)
+    if layers is not None:
+        owners = {path: held for path, held in owners.items() if set(held) & set(layers)}
     out: dict[int, float] = defaultdict(float)
     for p in graph.parameters:
         path = p.param_path if p.role == "optimizer_state" else p.path
