@@ -2,12 +2,16 @@
 
 Layers: (a) on random small problems every baseline plan is structurally valid and feasible,
 and the stage planner's objective is no worse than any baseline's (the families are subsets of
-its search space); (b) hand-made problems whose best plan of each family is worked out in a
-comment; (c) the ideal gain of a real cluster file.
+its search space); every candidate's score per run of equal replicas is bit for bit
+``evaluate_pipeline``'s of the built plan, and the split over runs is the replica-by-replica
+one; (b) hand-made problems whose best plan of each family is worked out in a comment; (c) the
+ideal gain of a real cluster file.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 import random
 from collections import Counter
@@ -19,6 +23,10 @@ import shardplan as sp
 from shardplan.errors import InfeasibleError
 from shardplan.planner.multi import effective_matmul_flops_per_s
 from shardplan.solver.baselines import (
+    BOUND_SLACK,
+    _dp_candidates,
+    _even_split,
+    _megatron_grid_candidates,
     data_parallel_only,
     homogeneous_only,
     ideal_gain,
@@ -31,6 +39,8 @@ from shardplan.solver.pipeline import (
     Link,
     PipelinePlan,
     PipelineProblem,
+    Replica,
+    StagePlacement,
     check_pipeline,
     evaluate_pipeline,
 )
@@ -196,3 +206,112 @@ def test_ideal_gain_of_a100_and_v100() -> None:
     assert math.isclose(flops[0], 1872e12, rel_tol=1e-12)
     assert math.isclose(flops[1], 700e12, rel_tol=1e-12)
     assert math.isclose(ideal_gain(flops), 2572 / 1872, rel_tol=1e-12)
+
+
+def _wide(rng: random.Random) -> PipelineProblem:
+    """A random problem, often with many devices per group (hundreds of equal replicas in a
+    few runs), a larger batch and roomier memory."""
+    problem = random_problem(rng)
+    if rng.random() < 0.6:
+        scale = rng.choice((3, 8, 17, 40))
+        groups = tuple(dataclasses.replace(g, count=g.count * scale) if rng.random() < 0.8
+                       else g for g in problem.groups)
+        problem = dataclasses.replace(problem, groups=groups,
+                                      batch=problem.batch * rng.choice((1, 7, 16, 60)))
+    if rng.random() < 0.5:
+        factor = rng.choice((2, 5, 20))
+        problem = dataclasses.replace(problem, groups=tuple(
+            dataclasses.replace(g, memory_bytes=g.memory_bytes * factor)
+            for g in problem.groups))
+    return problem
+
+
+def test_every_candidate_scores_as_the_full_evaluation_on_random_problems() -> None:
+    # The families score their candidates per run of equal replicas, without building them;
+    # the score must be evaluate_pipeline's objective of the built plan exactly (not within a
+    # tolerance: equal plans must compare equal), the plan structurally valid, and the bound
+    # below the score.
+    rng = random.Random(11)
+    seen: Counter[str] = Counter()
+    for _ in range(400):
+        problem = _wide(rng)
+        groups = None if rng.random() < 0.7 else tuple(
+            rng.sample(range(len(problem.groups)), rng.randint(1, len(problem.groups))))
+        for name, candidates in (("dp", _dp_candidates(problem, groups)),
+                                 ("megatron", _megatron_grid_candidates(problem, groups))):
+            for candidate in candidates:
+                plan = candidate.build()
+                assert check_pipeline(problem, plan) == [], name
+                ev = evaluate_pipeline(problem, plan)
+                want = math.inf if not ev.feasible else (
+                    ev.step_time_s if problem.objective == "time" else ev.cost_per_step)
+                got = candidate.value()
+                assert got == want, (name, got, want, ev.violations)
+                assert candidate.bound * (1 - BOUND_SLACK) <= got, (name, candidate.bound, got)
+                seen[name] += 1
+                seen["feasible"] += got < math.inf
+                seen["infeasible"] += got == math.inf
+                seen["wide"] += len(plan.replicas) >= 20
+                seen["uneven"] += len({r.microbatches for r in plan.replicas}) > 1
+                seen["cost"] += problem.objective == "cost"
+    for what, least in (("dp", 350), ("megatron", 1200), ("feasible", 1500), ("infeasible", 80),
+                        ("wide", 220), ("uneven", 600), ("cost", 380)):
+        assert seen[what] >= least, (what, seen)
+
+
+def _split_replica_by_replica(total: int, times: list[float], step: int) -> list[int] | None:
+    """The reference split: ``total`` microbatches in units of ``step``, the units left over
+    one each to the fastest replicas, ties by index."""
+    if total % step or total // step < len(times):
+        return None
+    base, extra = divmod(total // step, len(times))
+    out = [base * step] * len(times)
+    for i in sorted(range(len(times)), key=lambda i: (times[i], i))[:extra]:
+        out[i] += step
+    return out
+
+
+def test_the_split_over_runs_is_the_replica_by_replica_split() -> None:
+    # E.g. runs of 2 replicas at 3 s and 3 at 1 s, 12 microbatches: base 2, 2 left over go to
+    # the first two 1 s replicas: [2, 2, 3, 3, 2].
+    assert _even_split(12, [3.0, 1.0], [2, 3], 1) == (2, [0, 2])
+    assert _split_replica_by_replica(12, [3.0, 3.0, 1.0, 1.0, 1.0], 1) == [2, 2, 3, 3, 2]
+    rng = random.Random(3)
+    for _ in range(2000):
+        counts = [rng.randint(1, 6) for _ in range(rng.randint(1, 5))]
+        times = [float(rng.choice((1, 2, 3))) for _ in counts]  # ties across runs
+        step = rng.choice((1, 1, 2, 3))
+        total = rng.randint(0, 60)
+        got = _even_split(total, times, counts, step)
+        want = _split_replica_by_replica(
+            total, [t for t, c in zip(times, counts, strict=True) for _ in range(c)], step)
+        if want is None:
+            assert got is None
+            continue
+        assert got is not None
+        base, extra = got
+        assert [base + step * (i < more) for c, more in zip(counts, extra, strict=True)
+                for i in range(c)] == want
+
+
+def test_equal_replicas_each_report_their_violations() -> None:
+    # evaluate_pipeline and check_pipeline work out each distinct replica once; every replica
+    # must still report its own violations. Two equal replicas whose stage holds 2 layers x 10
+    # bytes > 15 of memory, and a third with a remat the problem does not allow.
+    kind = LayerKind("block", {0: (_option(1, 1.0, state=10.0),)}, 0.0, 0.0)
+    problem = PipelineProblem((kind,), (0, 0), (_group("d", 3, memory=15.0),), FREE, batch=3,
+                              microbatch_sizes=(1,), schedules=("1f1b",), remats=("none",))
+    stage = StagePlacement(0, 1, (0, 1))
+    plan = PipelinePlan((Replica((stage,), 1), Replica((stage,), 1)), 1, "1f1b")
+    plan = dataclasses.replace(plan, replicas=(*plan.replicas, Replica(
+        (dataclasses.replace(stage, remat="full"),), 1)))
+    assert check_pipeline(problem, plan) == ["replica 2, stage 0: remat 'full' not allowed"]
+    fixed = dataclasses.replace(plan, replicas=(*plan.replicas[:2], plan.replicas[0]))
+    ev = evaluate_pipeline(problem, fixed)
+    assert ev.violations == tuple(f"replica {r}, stage 0: 20 bytes per device > 15 on d"
+                                  for r in range(3))
+    assert ev.memory_bytes == ((20.0,), (20.0,), (20.0,))
+    # 2 layers x 1 s per microbatch, one microbatch each; sync and update free: 2 s.
+    assert ev.replica_time_s == (2.0, 2.0, 2.0)
+    assert ev.step_time_s == 2.0
+    assert list(itertools.chain.from_iterable(ev.stage_time_s)) == [2.0, 2.0, 2.0]

@@ -50,10 +50,14 @@ The grids are enumerated with a lower bound on each candidate's objective: the p
 without transfers, ``(sum t) / v + (m - 1) max t`` per replica (exact for one stage), plus the
 slowest stage's update, both from prefix sums over the layers (the closed form's transfers and
 gradient synchronisation are ``>= 0``). Candidates whose memory (the closed form's in-flight
-rule) clearly exceeds a device are dropped; the rest are evaluated with
-:func:`~shardplan.solver.pipeline.evaluate_pipeline` in order of their bound until the bound
-reaches the best objective found, so the result is the family's exact optimum by the closed
-form (ties keep the first candidate in a fixed order: same inputs, same plan).
+rule) clearly exceeds a device are dropped; the rest are scored by
+:func:`~shardplan.solver.pipeline.evaluate_pipeline`'s closed form in order of their bound until
+the bound reaches the best objective found, so the result is the family's exact optimum by the
+closed form (ties keep the first candidate in a fixed order: same inputs, same plan). A
+candidate's replicas fall into a few runs of equal ones (all single-stage replicas of one group
+and sub-mesh size are the same), so the microbatch split, the bound and the score are computed
+per run: the score by :class:`~shardplan.solver._runs.RunObjective`, the same figures as
+``evaluate_pipeline`` gives the built plan, bit for bit, and only the winner is built.
 
 Example:
     >>> from shardplan.solver.pipeline import (DeviceGroup, LayerKind, LayerOption, Link,
@@ -79,6 +83,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardplan.errors import InfeasibleError
+from shardplan.solver._runs import RunObjective
 from shardplan.solver.pipeline import (
     LayerKind,
     PipelinePlan,
@@ -87,7 +92,6 @@ from shardplan.solver.pipeline import (
     Replica,
     Schedule,
     StagePlacement,
-    evaluate_pipeline,
     in_flight,
 )
 
@@ -99,7 +103,7 @@ __all__ = [
 ]
 
 # (Past 600 lines: the data-parallel and Megatron-style baselines share the per-group layer
-# tables and the device allocation; each baseline alone is short.)
+# tables, the split over runs of replicas and the pick; each baseline alone is short.)
 
 BOUND_SLACK = 1e-9
 """Relative slack on the lower bounds and the memory pre-check: they are sums in another order
@@ -198,20 +202,44 @@ def _microbatch_sizes(problem: PipelineProblem) -> list[int]:
     return sorted({mb for mb in problem.microbatch_sizes if mb > 0 and problem.batch % mb == 0})
 
 
-def _even_split(total: int, times: Sequence[float], step: int) -> list[int] | None:
+def _even_split(total: int, times: Sequence[float], counts: Sequence[int],
+                step: int) -> tuple[int, list[int]] | None:
     """``total`` microbatches over the replicas, in units of ``step``, as evenly as possible:
-    the units left over go one each to the fastest replicas (``times``: seconds per microbatch;
-    ties by index). ``None`` when some replica would get none."""
-    r = len(times)
+    the units left over go one each to the fastest replicas (ties by index). The replicas come
+    in runs of equal ones: run ``j`` is ``counts[j] >= 1`` replicas in a row taking
+    ``times[j]`` seconds per microbatch.
+
+    Returns:
+      ``(base, extra)``: every replica runs ``base`` microbatches, the first ``extra[j]`` of
+      run ``j`` ``base + step``; ``None`` when some replica would get none.
+    """
     if total % step:
         return None
     units = total // step
+    r = sum(counts)
     if units < r:
         return None
-    base, extra = divmod(units, r)
-    out = [base * step] * r
-    for i in sorted(range(r), key=lambda i: (times[i], i))[:extra]:
-        out[i] += step
+    base, left = divmod(units, r)
+    # Replica by replica, the fastest first and ties by index: the runs in order of (time,
+    # first index), since a run's replicas are equal and consecutive.
+    starts = list(itertools.accumulate(counts, initial=0))
+    extra = [0] * len(counts)
+    for j in sorted(range(len(counts)), key=lambda j: (times[j], starts[j])):
+        extra[j] = min(left, counts[j])
+        left -= extra[j]
+    return base * step, extra
+
+
+def _runs(keys: Sequence[Any], counts: Sequence[int], extra: Sequence[int], base: int,
+          step: int) -> list[tuple[Any, int, int]]:
+    """The (key, replicas, microbatches each) runs of an :func:`_even_split`, in replica
+    order, none empty."""
+    out = []
+    for key, count, more in zip(keys, counts, extra, strict=True):
+        if more:
+            out.append((key, more, base + step))
+        if count > more:
+            out.append((key, count - more, base))
     return out
 
 
@@ -221,15 +249,12 @@ def _even_split(total: int, times: Sequence[float], step: int) -> list[int] | No
 
 @dataclass(frozen=True)
 class _Candidate:
+    """A plan of a family: a lower bound on its objective, the objective itself (by
+    :func:`evaluate_pipeline`'s closed form, ``math.inf`` where infeasible) and the plan."""
+
     bound: float
+    value: Callable[[], float]
     build: Callable[[], PipelinePlan]
-
-
-def _objective(problem: PipelineProblem, plan: PipelinePlan) -> float:
-    ev = evaluate_pipeline(problem, plan)
-    if not ev.feasible:
-        return math.inf
-    return ev.step_time_s if problem.objective == "time" else ev.cost_per_step
 
 
 def _price(problem: PipelineProblem, devices_per_group: Sequence[int]) -> float:
@@ -242,19 +267,18 @@ def _bound(problem: PipelineProblem, time_s: float, devices_per_group: Sequence[
     return time_s * _price(problem, devices_per_group) / 3600.0
 
 
-def _pick(problem: PipelineProblem, candidates: Iterator[_Candidate]) -> PipelinePlan | None:
-    """The candidate with the least objective by :func:`evaluate_pipeline`, visiting them in
-    order of their lower bounds (ties: generation order) until the bound reaches the best."""
+def _pick(candidates: Iterator[_Candidate]) -> PipelinePlan | None:
+    """The candidate with the least objective, visiting them in order of their lower bounds
+    (ties: generation order) until the bound reaches the best."""
     ordered = sorted(enumerate(candidates), key=lambda ic: (ic[1].bound, ic[0]))
-    best_value, best_plan = math.inf, None
+    best_value, best = math.inf, None
     for _, candidate in ordered:
         if candidate.bound * (1 - BOUND_SLACK) >= best_value:
             break
-        plan = candidate.build()
-        value = _objective(problem, plan)
+        value = candidate.value()
         if value < best_value:
-            best_value, best_plan = value, plan
-    return best_plan
+            best_value, best = value, candidate
+    return None if best is None else best.build()
 
 
 def _fits(held: float, memory_bytes: float) -> bool:
@@ -277,82 +301,101 @@ def data_parallel_only(problem: PipelineProblem, /, *,
     Returns:
       The best plan of the family, or ``None`` when no group holds a replica.
     """
+    return _pick(_dp_candidates(problem, groups))
+
+
+_Fastest = Callable[[int, int, int, float], tuple[Remat, float] | None]
+"""(group, devices, microbatch size, microbatches in flight) -> the fastest remat whose
+one-stage replica holds them, with its seconds per microbatch (ties: the problem's order)."""
+
+
+def _dp_candidates(problem: PipelineProblem,
+                   groups: Sequence[int] | None) -> Iterator[_Candidate]:
+    """Every candidate of :func:`data_parallel_only`, in a fixed order."""
     n = len(problem.layers)
+    if problem.max_stages < 0:
+        return  # no stage count is allowed: evaluate_pipeline refuses every plan
     allowed = range(len(problem.groups)) if groups is None else sorted(set(groups))
     schedules: list[Schedule] = ["1f1b"] if "1f1b" in problem.schedules else (
         ["gpipe"] if "gpipe" in problem.schedules else [])
     tables = _Tables(problem)
+    objective = RunObjective(problem)
+    cache: dict[tuple[int, int, int, float], tuple[Remat, float] | None] = {}
 
-    def candidates() -> Iterator[_Candidate]:
-        for mb, schedule in itertools.product(_microbatch_sizes(problem), schedules):
-            total = problem.batch // mb
-            # Per group, the sub-mesh sizes that hold one replica with one microbatch in flight.
-            per_group: list[list[tuple[int, int]]] = []
-            for g in allowed:
-                mem = problem.groups[g].memory_bytes
-                fit = [d for d in _sizes(problem, g)
-                       if any(tables(g, d, r).ok(0, n)
-                              and _fits(tables(g, d, r).held(0, n, mb, 1.0), mem)
-                              for r in problem.remats)]
-                if fit:
-                    per_group.append([(g, d) for d in fit])
-            if not per_group:
-                continue
-            for combo in itertools.product(*per_group):
-                yield from _dp_candidate(problem, tables, combo, mb, schedule, total)
+    def fastest(g: int, d: int, mb: int, flight: float) -> tuple[Remat, float] | None:
+        key = (g, d, mb, flight)
+        if key not in cache:
+            # The layers' options do not depend on the remat, so `ok` holds for all or none.
+            options = [(tables(g, d, r).seconds(0, n, mb), i, r)
+                       for i, r in enumerate(problem.remats)
+                       if tables(g, d, r).ok(0, n) and _fits(
+                           tables(g, d, r).held(0, n, mb, flight), problem.groups[g].memory_bytes)]
+            if options:
+                seconds, _, remat = min(options)
+                cache[key] = (remat, seconds)
+            else:
+                cache[key] = None
+        return cache[key]
 
-    return _pick(problem, candidates())
+    for mb, schedule in itertools.product(_microbatch_sizes(problem), schedules):
+        total = problem.batch // mb
+        # Per group, the sub-mesh sizes that hold one replica with one microbatch in flight.
+        per_group = [fit for fit in ([(g, d) for d in _sizes(problem, g)
+                                      if fastest(g, d, mb, 1.0) is not None] for g in allowed)
+                     if fit]
+        if not per_group:
+            continue
+        for combo in itertools.product(*per_group):
+            yield from _dp_candidate(problem, tables, objective, fastest, combo, mb, schedule,
+                                     total)
 
 
-def _dp_candidate(problem: PipelineProblem, tables: _Tables, combo: Sequence[tuple[int, int]],
-                  mb: int, schedule: Schedule, total: int) -> Iterator[_Candidate]:
+def _dp_candidate(problem: PipelineProblem, tables: _Tables, objective: RunObjective,
+                  fastest: _Fastest, combo: Sequence[tuple[int, int]], mb: int,
+                  schedule: Schedule, total: int) -> Iterator[_Candidate]:
     """The candidate of one sub-mesh size per group (``combo``: (group, devices)), each group's
     remat the fastest that fits its replicas' microbatches."""
     n = len(problem.layers)
-    replicas = [(g, d) for g, d in combo for _ in range(problem.groups[g].count // d)]
+    counts = [problem.groups[g].count // d for g, d in combo]
     # The split needs each replica's speed, which needs its remat; the fastest remat that fits
     # one microbatch decides the speed ranking (the in-flight count only grows under GPipe).
-    chosen: dict[tuple[int, int], tuple[str, float]] = {}
+    times = []
     for g, d in combo:
-        best = None
-        for r in problem.remats:
-            pre = tables(g, d, r)
-            if pre.ok(0, n) and _fits(pre.held(0, n, mb, 1.0), problem.groups[g].memory_bytes):
-                t = pre.seconds(0, n, mb)
-                if best is None or t < best[1]:
-                    best = (r, t)
-        assert best is not None, "combo holds only sizes that fit"
-        chosen[(g, d)] = best
-    split = _even_split(total, [chosen[x][1] for x in replicas], 1)
+        speed = fastest(g, d, mb, 1.0)
+        assert speed is not None, "combo holds only sizes that fit"
+        times.append(speed[1])
+    split = _even_split(total, times, counts, 1)
     if split is None:
         return
+    base, extra = split
     # Under GPipe a replica holds all its microbatches: pick, per group, the fastest remat that
     # fits its largest count (1F1B with one stage holds one).
-    remat: dict[tuple[int, int], str] = {}
-    for g, d in combo:
-        most = max(m for x, m in zip(replicas, split, strict=True) if x == (g, d))
-        flight = in_flight(schedule, 0, 1, most)
-        options = [(tables(g, d, r).seconds(0, n, mb), i, r)
-                   for i, r in enumerate(problem.remats)
-                   if _fits(tables(g, d, r).held(0, n, mb, flight),
-                            problem.groups[g].memory_bytes)]
-        if not options:
+    remats: list[Remat] = []
+    for (g, d), more in zip(combo, extra, strict=True):
+        chosen = fastest(g, d, mb, in_flight(schedule, 0, 1, base + 1 if more else base))
+        if chosen is None:
             return
-        remat[(g, d)] = min(options)[2]
-    pipe = max(m * tables(g, d, remat[(g, d)]).seconds(0, n, mb)
-               for (g, d), m in zip(replicas, split, strict=True))
-    update = max(tables(g, d, remat[(g, d)]).update(0, n) for g, d in combo)
+        remats.append(chosen[0])
+    runs = _runs(list(zip(combo, remats, strict=True)), counts, extra, base, 1)
+    pipe = max(m * tables(g, d, r).seconds(0, n, mb) for ((g, d), r), _, m in runs)
+    update = max(tables(g, d, r).update(0, n) for (g, d), r in zip(combo, remats, strict=True))
     used = [0] * len(problem.groups)
-    for g, d in replicas:
-        used[g] += d
+    for (g, d), count in zip(combo, counts, strict=True):
+        used[g] += count * d
     layers = tuple(range(n))
 
-    def build() -> PipelinePlan:
-        return PipelinePlan(
-            tuple(Replica((StagePlacement(g, d, layers, remat[(g, d)]),), m)  # type: ignore[arg-type]
-                  for (g, d), m in zip(replicas, split, strict=True)), mb, schedule, 1)
+    def stages(g: int, d: int, r: Remat) -> tuple[StagePlacement, ...]:
+        return (StagePlacement(g, d, layers, r),)
 
-    yield _Candidate(_bound(problem, pipe + update, used), build)
+    def value() -> float:
+        return objective.objective([(stages(g, d, r), count, m) for ((g, d), r), count, m in runs],
+                                   mb, schedule, 1)
+
+    def build() -> PipelinePlan:
+        return PipelinePlan(tuple(Replica(stages(g, d, r), m) for ((g, d), r), count, m in runs
+                                  for _ in range(count)), mb, schedule, 1)
+
+    yield _Candidate(_bound(problem, pipe + update, used), value, build)
 
 
 # --------------------------------------------------------------------------------------------
@@ -425,46 +468,60 @@ def megatron_grid(problem: PipelineProblem, /, *,
     Returns:
       The best plan of the family, or ``None`` when no grid point is feasible.
     """
+    return _pick(_megatron_grid_candidates(problem, groups))
+
+
+def _megatron_grid_candidates(problem: PipelineProblem,
+                              groups: Sequence[int] | None) -> Iterator[_Candidate]:
+    """Every candidate of :func:`megatron_grid`, in a fixed order."""
     used = sorted(set(range(len(problem.groups)) if groups is None else groups))
     n = len(problem.layers)
     schedules: list[Schedule] = [s for s in problem.schedules if s in ("1f1b", "interleaved")]
     if not schedules:
         schedules = list(problem.schedules)
-    tables = _Tables(problem)
-    memo: dict[tuple, _StageFigures | None] = {}
-
-    def candidates() -> Iterator[_Candidate]:
-        for d in _tensor_sizes(problem, used):
-            slots = [g for g in used for _ in range(problem.groups[g].count // d)]
-            most = min(n, len(slots), problem.max_stages or n)
-            for k in _stage_counts(problem, most):
-                r_count = len(slots) // k
-                for order in MEGATRON_ORDERS:
-                    if k == 1 and order == "dp-outer":
-                        continue  # one stage: both orders place the same replicas
-                    if order == "pp-outer":
-                        layout = [tuple(slots[i * r_count + r] for i in range(k))
-                                  for r in range(r_count)]
-                    else:
-                        layout = [tuple(slots[r * k + i] for i in range(k))
-                                  for r in range(r_count)]
-                    yield from _megatron_candidates(problem, tables, d, k, layout, schedules,
-                                                    memo)
-
-    return _pick(problem, candidates())
+    grid = _Grid(problem, _Tables(problem), RunObjective(problem), {}, {})
+    for d in _tensor_sizes(problem, used):
+        slots = [g for g in used for _ in range(problem.groups[g].count // d)]
+        most = min(n, len(slots), problem.max_stages or n)
+        for k in _stage_counts(problem, most):
+            r_count = len(slots) // k
+            for order in MEGATRON_ORDERS:
+                if k == 1 and order == "dp-outer":
+                    continue  # one stage: both orders place the same replicas
+                if order == "pp-outer":
+                    layout = [tuple(slots[i * r_count + r] for i in range(k))
+                              for r in range(r_count)]
+                else:
+                    layout = [tuple(slots[r * k + i] for i in range(k)) for r in range(r_count)]
+                # Runs of consecutive replicas with equal signatures.
+                runs = [(sig, len(list(same))) for sig, same in itertools.groupby(layout)]
+                yield from _megatron_candidates(grid, d, k, runs, schedules)
 
 
-def _megatron_candidates(problem: PipelineProblem, tables: _Tables, d: int, k: int,
-                         layout: list[tuple[int, ...]], schedules: Sequence[Schedule],
-                         memo: dict[tuple, _StageFigures | None]) -> Iterator[_Candidate]:
-    """The grid points of one (``d``, ``k``, rank order): ``layout`` gives each replica's group
-    per stage."""
+@dataclass(frozen=True)
+class _Grid:
+    """What the Megatron grid's points share: the problem, its prefix tables, the run
+    objective, the per-signature figures (:func:`_signature_figures`) and the per-stage sums
+    they are made of, by key."""
+
+    problem: PipelineProblem
+    tables: _Tables
+    objective: RunObjective
+    memo: dict[tuple[Any, ...], _StageFigures | None]
+    stage_memo: dict[tuple[Any, ...], tuple[float, float, float, float, float] | None]
+
+
+def _megatron_candidates(grid: _Grid, d: int, k: int, runs: list[tuple[tuple[int, ...], int]],
+                         schedules: Sequence[Schedule]) -> Iterator[_Candidate]:
+    """The grid points of one (``d``, ``k``, rank order): ``runs`` gives the replicas'
+    signatures (their group per stage), as (signature, replicas in a row)."""
+    problem = grid.problem
     n = len(problem.layers)
-    signatures = sorted(set(layout))
+    signatures = sorted({sig for sig, _ in runs})
     used = [0] * len(problem.groups)
-    for row in layout:
-        for g in row:
-            used[g] += d
+    for sig, count in runs:
+        for g in sig:
+            used[g] += count * d
     linear_splits = _splits(problem, k)
     for mb, remat, schedule in itertools.product(_microbatch_sizes(problem), problem.remats,
                                                  schedules):
@@ -483,8 +540,8 @@ def _megatron_candidates(problem: PipelineProblem, tables: _Tables, d: int, k: i
             else:
                 splits = linear_splits
             for split in splits:
-                yield from _megatron_point(problem, tables, d, k, layout, signatures, used, mb,
-                                           remat, schedule, v, split, total, memo)
+                yield from _megatron_point(grid, d, k, runs, signatures, used, mb, remat,
+                                           schedule, v, split, total)
 
 
 @dataclass(frozen=True)
@@ -499,11 +556,11 @@ class _StageFigures:
     update_s: float
 
 
-def _megatron_point(problem: PipelineProblem, tables: _Tables, d: int, k: int,
-                    layout: list[tuple[int, ...]], signatures: list[tuple[int, ...]],
-                    used: list[int], mb: int, remat: Remat, schedule: Schedule, v: int,
-                    split: tuple[tuple[int, int], ...], total: int,
-                    memo: dict[tuple, _StageFigures | None]) -> Iterator[_Candidate]:
+def _megatron_point(grid: _Grid, d: int, k: int, runs: list[tuple[tuple[int, ...], int]],
+                    signatures: list[tuple[int, ...]], used: list[int], mb: int, remat: Remat,
+                    schedule: Schedule, v: int, split: tuple[tuple[int, int], ...],
+                    total: int) -> Iterator[_Candidate]:
+    problem = grid.problem
     n = len(problem.layers)
     size = n // (k * v) if v > 1 else 0
 
@@ -514,26 +571,32 @@ def _megatron_point(problem: PipelineProblem, tables: _Tables, d: int, k: int,
         return [((i + c * k) * size, (i + c * k + 1) * size) for c in range(v)]
 
     # Per signature: stage seconds, feasibility of options (independent of the microbatch size
-    # and schedule: computed once per signature, sub-mesh, remat and split); per replica: its
-    # signature.
+    # and schedule: computed once per signature, sub-mesh, remat and split).
     figures: dict[tuple[int, ...], _StageFigures] = {}
     for sig in signatures:
         key = (d, remat, v, split, sig)
-        if key not in memo:
-            memo[key] = _signature_figures(tables, sig, d, remat, ranges)
-        found = memo[key]
+        if key not in grid.memo:
+            grid.memo[key] = _signature_figures(grid, sig, d, remat,
+                                                [tuple(ranges(i)) for i in range(k)])
+        found = grid.memo[key]
         if found is None:
             return
         figures[sig] = found
-    cost = {sig: ([f + p * mb for f, p in zip(x.fixed_s, x.per_sample_s, strict=True)],
-                  x.update_s) for sig, x in figures.items()}
+    # Per signature: the stages' seconds per microbatch, their sum and the slowest.
+    cost: dict[tuple[int, ...], tuple[float, float]] = {}
+    for sig, x in figures.items():
+        seconds = [f + p * mb for f, p in zip(x.fixed_s, x.per_sample_s, strict=True)]
+        cost[sig] = (sum(seconds), max(seconds))
     step = k if v > 1 else 1
-    split_m = _even_split(total, [max(cost[sig][0]) for sig in layout], step)
+    split_m = _even_split(total, [cost[sig][1] for sig, _ in runs],
+                          [count for _, count in runs], step)
     if split_m is None:
         return
+    rows = _runs([sig for sig, _ in runs], [count for _, count in runs], split_m[1],
+                 split_m[0], step)
     # Memory: each signature's stages under its largest microbatch count.
     most: dict[tuple[int, ...], int] = {}
-    for sig, m in zip(layout, split_m, strict=True):
+    for sig, _, m in rows:
         most[sig] = max(most.get(sig, 0), m)
     for sig, m in most.items():
         x = figures[sig]
@@ -542,36 +605,49 @@ def _megatron_point(problem: PipelineProblem, tables: _Tables, d: int, k: int,
             held = x.state_bytes[i] + flight * mb * x.activation_bytes[i]
             if not _fits(held, problem.groups[g].memory_bytes):
                 return
-    pipe = max(sum(cost[sig][0]) / v + (m - 1) * max(cost[sig][0])
-               for sig, m in zip(layout, split_m, strict=True))
-    update = max(cost[sig][1] for sig in signatures)
+    pipe = max(cost[sig][0] / v + (m - 1) * cost[sig][1] for sig, _, m in rows)
+    update = max(figures[sig].update_s for sig in signatures)
     stage_layers = [tuple(j for a, b in ranges(i) for j in range(a, b)) for i in range(k)]
 
+    def stages(sig: tuple[int, ...]) -> tuple[StagePlacement, ...]:
+        return tuple(StagePlacement(g, d, stage_layers[i], remat) for i, g in enumerate(sig))
+
+    def value() -> float:
+        return grid.objective.objective([(stages(sig), count, m) for sig, count, m in rows],
+                                        mb, schedule, v)
+
     def build() -> PipelinePlan:
-        return PipelinePlan(
-            tuple(Replica(tuple(StagePlacement(g, d, stage_layers[i], remat)
-                                for i, g in enumerate(sig)), m)
-                  for sig, m in zip(layout, split_m, strict=True)),
-            mb, schedule, v)
+        return PipelinePlan(tuple(Replica(stages(sig), m) for sig, count, m in rows
+                                  for _ in range(count)), mb, schedule, v)
 
-    yield _Candidate(_bound(problem, pipe + update, used), build)
+    yield _Candidate(_bound(problem, pipe + update, used), value, build)
 
 
-def _signature_figures(tables: _Tables, sig: tuple[int, ...], d: int, remat: Remat,
-                       ranges: Callable[[int], list[tuple[int, int]]]) -> _StageFigures | None:
-    """The :class:`_StageFigures` of one replica signature (its group per stage), or ``None``
-    when some stage lacks an option."""
+def _signature_figures(grid: _Grid, sig: tuple[int, ...], d: int, remat: Remat,
+                       stage_ranges: list[tuple[tuple[int, int], ...]]) -> _StageFigures | None:
+    """The :class:`_StageFigures` of one replica signature (its group per stage; stage ``i``
+    holds the layer ranges ``stage_ranges[i]``), or ``None`` when some stage lacks an option."""
     fixed, per, state, act = [], [], [], []
     upd = 0.0
-    for i, g in enumerate(sig):
-        pre = tables(g, d, remat)
-        if not all(pre.ok(a, b) for a, b in ranges(i)):
+    for g, ranges in zip(sig, stage_ranges, strict=True):
+        key = (g, d, remat, ranges)
+        if key not in grid.stage_memo:
+            pre = grid.tables(g, d, remat)
+            grid.stage_memo[key] = (
+                sum(pre.fixed_s[b] - pre.fixed_s[a] for a, b in ranges),
+                sum(pre.per_sample_s[b] - pre.per_sample_s[a] for a, b in ranges),
+                sum(pre.state(a, b) for a, b in ranges),
+                sum(pre.activation(a, b) for a, b in ranges),
+                sum(pre.update(a, b) for a, b in ranges),
+            ) if all(pre.ok(a, b) for a, b in ranges) else None
+        sums = grid.stage_memo[key]
+        if sums is None:
             return None
-        fixed.append(sum(pre.fixed_s[b] - pre.fixed_s[a] for a, b in ranges(i)))
-        per.append(sum(pre.per_sample_s[b] - pre.per_sample_s[a] for a, b in ranges(i)))
-        state.append(sum(pre.state(a, b) for a, b in ranges(i)))
-        act.append(sum(pre.activation(a, b) for a, b in ranges(i)))
-        upd = max(upd, sum(pre.update(a, b) for a, b in ranges(i)))
+        fixed.append(sums[0])
+        per.append(sums[1])
+        state.append(sums[2])
+        act.append(sums[3])
+        upd = max(upd, sums[4])
     return _StageFigures(tuple(fixed), tuple(per), tuple(state), tuple(act), upd)
 
 

@@ -440,7 +440,6 @@ def _linear(coefficients: tuple[float, float], mb: int) -> float:
 def check_pipeline(problem: PipelineProblem, plan: PipelinePlan) -> list[str]:
     """Every structural violation of ``plan`` (memory is checked by :func:`evaluate_pipeline`)."""
     out: list[str] = []
-    n = len(problem.layers)
     mb = plan.microbatch_size
     if plan.schedule not in problem.schedules:
         out.append(f"schedule {plan.schedule!r} is not among {problem.schedules}")
@@ -456,64 +455,159 @@ def check_pipeline(problem: PipelineProblem, plan: PipelinePlan) -> list[str]:
     if sum(r.microbatches for r in plan.replicas) * mb != problem.batch:
         out.append(f"microbatches x {mb} do not add up to batch {problem.batch}")
     used = [0] * len(problem.groups)
+    # Equal replicas break equal rules: check each distinct one once (a data-parallel plan
+    # holds hundreds of equal replicas).
+    seen: dict[Replica, tuple[list[str], list[tuple[int, int]]]] = {}
     for ri, replica in enumerate(plan.replicas):
-        k = len(replica.stages)
-        where = f"replica {ri}"
-        if replica.microbatches < 1:
-            out.append(f"{where}: {replica.microbatches} microbatches")
-        if k == 0:
-            out.append(f"{where}: no stages")
-            continue
-        if problem.max_stages and k > problem.max_stages:
-            out.append(f"{where}: {k} stages > max_stages {problem.max_stages}")
-        order = _layer_order(replica, v)
-        if order != list(range(n)):
-            out.append(f"{where}: stages do not cover layers 0..{n - 1} in pipeline order")
-        if v > 1:
-            if n % (k * v):
-                out.append(f"{where}: {k} stages x {v} chunks do not divide {n} layers")
-            elif replica.microbatches % k:
-                out.append(f"{where}: {replica.microbatches} microbatches not a multiple of "
-                           f"{k} stages (interleaved)")
-            elif order == list(range(n)):
-                size = n // (k * v)
-                for i, stage in enumerate(replica.stages):
-                    want = tuple(j for c in range(v) for j in
-                                 range((i + c * k) * size, (i + c * k + 1) * size))
-                    if stage.layers != want:
-                        out.append(f"{where}, stage {i}: layers {stage.layers} are not its "
-                                   f"chunks {want}")
-        for si, stage in enumerate(replica.stages):
-            if not 0 <= stage.group < len(problem.groups):
-                out.append(f"{where}, stage {si}: no group {stage.group}")
-                continue
-            used[stage.group] += stage.devices
-            if stage.remat not in problem.remats:
-                out.append(f"{where}, stage {si}: remat {stage.remat!r} not allowed")
-            for layer in stage.layers:
-                if not 0 <= layer < n:
-                    continue
-                if problem.kinds[problem.layers[layer]].option(stage.group, stage.devices) is None:
-                    out.append(f"{where}, stage {si}: layer {layer} has no option on "
-                               f"{stage.devices} x {problem.groups[stage.group].name}")
+        if replica not in seen:
+            seen[replica] = _replica_violations(problem, replica, v)
+        found, devices = seen[replica]
+        out.extend(f"replica {ri}{text}" for text in found)
+        for g, d in devices:
+            used[g] += d
     for g, group in enumerate(problem.groups):
         if used[g] > group.count:
             out.append(f"group {group.name}: {used[g]} devices used > {group.count}")
     return out
 
 
-def _layer_order(replica: Replica, chunks: int) -> list[int]:
+def _replica_violations(problem: PipelineProblem, replica: Replica, v: int
+                        ) -> tuple[list[str], list[tuple[int, int]]]:
+    """:func:`check_pipeline`'s violations of one replica, each without its leading
+    ``replica {index}``, and the (group, devices) of its stages in existing groups."""
+    n = len(problem.layers)
+    out: list[str] = []
+    used: list[tuple[int, int]] = []
+    k = len(replica.stages)
+    if replica.microbatches < 1:
+        out.append(f": {replica.microbatches} microbatches")
+    if k == 0:
+        out.append(": no stages")
+        return out, used
+    if problem.max_stages and k > problem.max_stages:
+        out.append(f": {k} stages > max_stages {problem.max_stages}")
+    order = _layer_order(replica.stages, v)
+    if order != list(range(n)):
+        out.append(f": stages do not cover layers 0..{n - 1} in pipeline order")
+    if v > 1:
+        if n % (k * v):
+            out.append(f": {k} stages x {v} chunks do not divide {n} layers")
+        elif replica.microbatches % k:
+            out.append(f": {replica.microbatches} microbatches not a multiple of {k} stages "
+                       f"(interleaved)")
+        elif order == list(range(n)):
+            size = n // (k * v)
+            for i, stage in enumerate(replica.stages):
+                want = tuple(j for c in range(v) for j in
+                             range((i + c * k) * size, (i + c * k + 1) * size))
+                if stage.layers != want:
+                    out.append(f", stage {i}: layers {stage.layers} are not its chunks {want}")
+    for si, stage in enumerate(replica.stages):
+        if not 0 <= stage.group < len(problem.groups):
+            out.append(f", stage {si}: no group {stage.group}")
+            continue
+        used.append((stage.group, stage.devices))
+        if stage.remat not in problem.remats:
+            out.append(f", stage {si}: remat {stage.remat!r} not allowed")
+        for layer in stage.layers:
+            if not 0 <= layer < n:
+                continue
+            if problem.kinds[problem.layers[layer]].option(stage.group, stage.devices) is None:
+                out.append(f", stage {si}: layer {layer} has no option on "
+                           f"{stage.devices} x {problem.groups[stage.group].name}")
+    return out, used
+
+
+def _layer_order(stages: Sequence[StagePlacement], chunks: int) -> list[int]:
     """The layers in the order a microbatch's forward pass visits them."""
     if chunks == 1:
-        return [layer for stage in replica.stages for layer in stage.layers]
-    k = len(replica.stages)
-    per = [len(s.layers) // chunks if len(s.layers) % chunks == 0 else -1
-           for s in replica.stages]
+        return [layer for stage in stages for layer in stage.layers]
+    k = len(stages)
+    per = [len(s.layers) // chunks if len(s.layers) % chunks == 0 else -1 for s in stages]
     if any(p <= 0 for p in per) or len(set(per)) != 1:
         return []
     size = per[0]
     return [layer for c in range(chunks) for i in range(k)
-            for layer in replica.stages[i].layers[c * size:(c + 1) * size]]
+            for layer in stages[i].layers[c * size:(c + 1) * size]]
+
+
+_StageSums = tuple[float, float, float, float]
+"""One stage's seconds per microbatch, state bytes, activation bytes per sample and update
+seconds, each summed over its layers (:func:`_stage_sums`)."""
+
+
+def _stage_sums(problem: PipelineProblem, stage: StagePlacement, mb: int) -> _StageSums:
+    """The sums :func:`evaluate_pipeline` charges one structurally valid stage, in its order
+    (layers ascending; ``sum`` over the same values gives the same bits)."""
+    opts = [problem.kinds[problem.layers[layer]].option(stage.group, stage.devices)
+            for layer in stage.layers]
+    seconds = sum(_linear(o.forward_s, mb) + _linear(o.backward_s, mb)
+                  + _linear(o.recompute_s[stage.remat], mb) for o in opts if o)
+    state = sum(o.state_bytes for o in opts if o)
+    activation = sum(o.activation_bytes[stage.remat] for o in opts if o)
+    return seconds, state, activation, sum(o.update_s for o in opts if o)
+
+
+@dataclass(frozen=True)
+class _ReplicaFigures:
+    """The closed-form figures of one structurally valid replica (:func:`_replica_figures`).
+
+    Attributes:
+      stage_time_s: per stage, ``t_i``.
+      hop_time_s: per hop, ``c_h``.
+      memory_bytes: per stage, bytes per device.
+      over: the stages whose memory exceeds their group's ``memory_bytes``.
+      update_s: the slowest stage's update (at least 0).
+      time_s: the replica's pipeline time (:func:`replica_time`).
+    """
+
+    stage_time_s: tuple[float, ...]
+    hop_time_s: tuple[float, ...]
+    memory_bytes: tuple[float, ...]
+    over: tuple[int, ...]
+    update_s: float
+    time_s: float
+
+
+def _replica_figures(problem: PipelineProblem, stages: tuple[StagePlacement, ...],
+                     microbatches: int, microbatch_size: int, schedule: Schedule, chunks: int,
+                     sums: dict[tuple[StagePlacement, int], _StageSums]) -> _ReplicaFigures:
+    """The figures :func:`evaluate_pipeline` gives one replica of a structurally valid plan
+    (``chunks``: ``v``, 1 unless interleaved), bit for bit: the baselines score plans of
+    many equal replicas with it without building them.
+
+    Args:
+      problem: the pipeline problem.
+      stages: the replica's stages.
+      microbatches: its microbatch count.
+      microbatch_size: the plan's microbatch size.
+      schedule: the plan's schedule.
+      chunks: ``v`` under interleaving, else 1.
+      sums: a cache of stage sums by (stage, microbatch size), filled here.
+    """
+    mb, k = microbatch_size, len(stages)
+    t, mem, over = [], [], []
+    update = 0.0
+    for i, stage in enumerate(stages):
+        key = (stage, mb)
+        if key not in sums:
+            sums[key] = _stage_sums(problem, stage, mb)
+        seconds, state, activation, stage_update = sums[key]
+        t.append(seconds)
+        update = max(update, stage_update)
+        held = state + in_flight(schedule, i, k, microbatches, chunks) * mb * activation
+        mem.append(held)
+        if held > problem.groups[stage.group].memory_bytes:
+            over.append(i)
+    stage_of = {layer: i for i, s in enumerate(stages) for layer in s.layers}
+    hops = []
+    for a, b in itertools.pairwise(_layer_order(stages, chunks)):
+        if stage_of[a] != stage_of[b]:
+            kind = problem.kinds[problem.layers[a]]
+            link = stage_link(problem, stages[stage_of[a]], stages[stage_of[b]])
+            hops.append(2 * link.time_s(kind.boundary_bytes * mb))
+    return _ReplicaFigures(tuple(t), tuple(hops), tuple(mem), tuple(over), update,
+                          replica_time(t, hops, microbatches, chunks))
 
 
 def evaluate_pipeline(problem: PipelineProblem, plan: PipelinePlan) -> PipelineEvaluation:
@@ -527,37 +621,23 @@ def evaluate_pipeline(problem: PipelineProblem, plan: PipelinePlan) -> PipelineE
     v = plan.chunks if plan.schedule == "interleaved" else 1
     replica_times, stage_times, hop_times, memories = [], [], [], []
     update = 0.0
+    # Equal replicas have equal figures: compute each distinct one once.
+    sums: dict[tuple[StagePlacement, int], _StageSums] = {}
+    seen: dict[Replica, _ReplicaFigures] = {}
     for ri, replica in enumerate(plan.replicas):
-        k, m = len(replica.stages), replica.microbatches
-        t, mem = [], []
-        for i, stage in enumerate(replica.stages):
-            opts = [problem.kinds[problem.layers[layer]].option(stage.group, stage.devices)
-                    for layer in stage.layers]
-            seconds = sum(_linear(o.forward_s, mb) + _linear(o.backward_s, mb)
-                          + _linear(o.recompute_s[stage.remat], mb) for o in opts if o)
-            state = sum(o.state_bytes for o in opts if o)
-            activation = sum(o.activation_bytes[stage.remat] for o in opts if o)
-            t.append(seconds)
-            update = max(update, sum(o.update_s for o in opts if o))
-            held = state + in_flight(plan.schedule, i, k, m, v) * mb * activation
-            mem.append(held)
-            group = problem.groups[stage.group]
-            if held > group.memory_bytes:
-                violations.append(f"replica {ri}, stage {i}: {held:,.0f} bytes per device > "
-                                  f"{group.memory_bytes:,.0f} on {group.name}")
-        stage_of = {layer: i for i, s in enumerate(replica.stages) for layer in s.layers}
-        order = _layer_order(replica, v)
-        hops = []
-        for a, b in itertools.pairwise(order):
-            if stage_of[a] != stage_of[b]:
-                kind = problem.kinds[problem.layers[a]]
-                link = stage_link(problem, replica.stages[stage_of[a]],
-                                  replica.stages[stage_of[b]])
-                hops.append(2 * link.time_s(kind.boundary_bytes * mb))
-        replica_times.append(replica_time(t, hops, m, v))
-        stage_times.append(tuple(t))
-        hop_times.append(tuple(hops))
-        memories.append(tuple(mem))
+        if replica not in seen:
+            seen[replica] = _replica_figures(problem, replica.stages, replica.microbatches, mb,
+                                             plan.schedule, v, sums)
+        figures = seen[replica]
+        for i in figures.over:
+            held, group = figures.memory_bytes[i], problem.groups[replica.stages[i].group]
+            violations.append(f"replica {ri}, stage {i}: {held:,.0f} bytes per device > "
+                              f"{group.memory_bytes:,.0f} on {group.name}")
+        update = max(update, figures.update_s)
+        replica_times.append(figures.time_s)
+        stage_times.append(figures.stage_time_s)
+        hop_times.append(figures.hop_time_s)
+        memories.append(figures.memory_bytes)
     sync = sync_s(problem, plan)
     step = max(replica_times) + sync + update
     price = sum(problem.groups[s.group].price_per_hour * s.devices
