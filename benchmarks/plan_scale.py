@@ -12,9 +12,16 @@ on one type (the 256 H100s) and two (H100 + A100).
 Each case runs in its own process (no warm caches), ``--repeats`` times; the median is
 reported. Global batch: 1,536 sequences of 2,048 tokens (GPT-3's 3.2M-token batch).
 
+Depth (``--depths``): the same model written as a Python loop (``scan_layers: false``, as
+most user code and every HuggingFace Flax model is) and as an ``nnx.scan``, at 4, 8, 24 and 96
+blocks on the 768-GPU cluster: whole ``make_plan`` time next to ``jax.make_jaxpr`` of the same
+step (tracing alone, each in its own process), and a GPT-style model of d_model 4096 at 8
+blocks. Loop planning should grow at most linearly with depth, and at 96 blocks take at most
+10 s more than ``jax.make_jaxpr``.
+
 Prints a table and writes ``benchmarks/results/plan_scale.json``.
 
-Usage: ``python benchmarks/plan_scale.py [--repeats 3] [--cases 768,1024]``
+Usage: ``python benchmarks/plan_scale.py [--repeats 3] [--cases 768,1024] [--depths 4,8,24,96]``
 """
 
 from __future__ import annotations
@@ -97,8 +104,74 @@ def _child(case: str) -> dict:
     }
 
 
-def _run_child(case: str) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", case], capture_output=True,
+DEPTH_CLUSTER = "768"
+WIDE = {"d_model": 4096, "n_heads": 32, "d_ff": 16384}
+"""The GPT-style model of d_model 4096 (GPT-3's other dimensions)."""
+
+
+def _depth_child(spec: str) -> dict:
+    """``spec``: ``<blocks>:<loop|scan>:<plan|jaxpr>[:wide]``."""
+    import time
+
+    import jax
+
+    import models
+    import shardplan as sp
+
+    blocks, form, what, *wide = spec.split(":")
+    overrides = {"scan_layers": form == "scan", "n_layers": int(blocks), **(WIDE if wide else {})}
+    config = models.load_model_config("gpt3-175b", overrides=overrides)
+    graphdef, state = models.abstract_train_state(config)
+    batch = models.example_batch(config, BATCH, abstract=True)
+    step = models.make_train_step(graphdef)
+    file, keep, _ = CASES[DEPTH_CLUSTER]
+    cluster = _cluster(file, keep)
+    t0 = time.perf_counter()
+    if what == "jaxpr":
+        jax.make_jaxpr(step)(state, batch)
+        return {"spec": spec, "seconds": time.perf_counter() - t0}
+    plan = sp.make_plan(step, state, batch, cluster=cluster,
+                        config=sp.PlanConfig(pipeline=True))
+    seconds = time.perf_counter() - t0
+    first = [plan.stages[i] for i in plan.replicas[0].stages]
+    return {"spec": spec, "seconds": seconds, "timings": dict(plan.timings),
+            "predicted_step_time_s": plan.predicted.step_time_s,
+            "replicas": len(plan.replicas), "microbatch_size": plan.microbatch_size,
+            "schedule": plan.schedule,
+            "first_replica": [{"type": s.device_type, "devices": s.mesh.num_devices,
+                               "layers": len(s.layers), "remat": s.remat} for s in first]}
+
+
+def _depth_specs(depths: list[int]) -> list[str]:
+    specs = [f"{d}:{form}:plan" for d in depths for form in ("loop", "scan")]
+    return [*specs, f"{max(depths)}:loop:jaxpr", f"{max(depths)}:scan:jaxpr",
+            "8:loop:plan:wide", "8:scan:plan:wide"]
+
+
+def _depth_rows(specs: list[str], repeats: int) -> list[dict]:
+    """Runs ``specs``, each row merged into the results file as soon as it is measured."""
+    rows = []
+    for spec in specs:
+        runs = [_run_child(spec, flag="--depth-child") for _ in range(repeats)]
+        row = dict(runs[-1])
+        row["seconds"] = statistics.median(r["seconds"] for r in runs)
+        row["runs_s"] = [r["seconds"] for r in runs]
+        rows.append(row)
+        t = row.get("timings", {})
+        print(f"{spec:>20}: median {row['seconds']:7.2f} s of {repeats}"
+              + (f" (trace {t.get('trace_s', 0):.2f}, tables {t.get('layer_tables_s', 0):.2f}, "
+                 f"stage planner {t.get('stage_planner_s', 0):.2f}; predicted "
+                 f"{row['predicted_step_time_s']:.3f} s/step)" if t else ""), flush=True)
+        previous = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+        kept = [r for r in previous.get("depth_rows", []) if r["spec"] != spec]
+        order = {s: i for i, s in enumerate(_depth_specs([4, 8, 24, 96]))}
+        merged = sorted([*kept, row], key=lambda r: order.get(r["spec"], len(order)))
+        RESULTS.write_text(json.dumps({**previous, "depth_rows": merged}, indent=2) + "\n")
+    return rows
+
+
+def _run_child(case: str, flag: str = "--child") -> dict:
+    out = subprocess.run([sys.executable, __file__, flag, case], capture_output=True,
                          text=True, env={**os.environ, "JAX_PLATFORMS": "cpu",
                                          "PYTHONPATH": str(ROOT)})
     if out.returncode:
@@ -110,10 +183,25 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3, help="runs per case (median)")
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset")
+    parser.add_argument("--depths", default="",
+                        help="comma-separated block counts for the loop / scan rows (e.g. "
+                             "4,8,24,96); only these rows are run")
+    parser.add_argument("--specs", default="",
+                        help="comma-separated depth rows to (re)measure, e.g. 8:scan:plan:wide")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--depth-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(_child(args.child)))
+        return 0
+    if args.depth_child:
+        print(json.dumps(_depth_child(args.depth_child)))
+        return 0
+    if args.depths or args.specs:
+        specs = (args.specs.split(",") if args.specs
+                 else _depth_specs([int(d) for d in args.depths.split(",")]))
+        _depth_rows(specs, args.repeats)
+        print(f"wrote {RESULTS}")
         return 0
     rows = []
     for case in args.cases.split(","):
@@ -140,7 +228,9 @@ def main() -> int:
               f"{row['predicted_step_time_s']:.3f} s/step, simulated "
               + (f"{sim:.3f} s" if sim is not None else "(not simulated: too many tasks)"))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    previous = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     RESULTS.write_text(json.dumps({
+        **previous,
         "benchmark": "plan_scale", "model": "gpt3-175b", "global_batch": BATCH,
         "sequence": 2048, "rows": rows,
         "machine": {"cores": os.cpu_count(), "python": platform.python_version()},
