@@ -241,12 +241,20 @@ def test_solver_limits_warn_with_the_gap_and_return_the_incumbent() -> None:
     best = sp.make_plan(step, state, x, cluster=cluster)
     assert cut.solver["status"] == "feasible" and best.solver["status"] == "optimal"
     assert cut.predicted.step_time_s >= best.predicted.step_time_s
-    # The intra-op solver, given 1 ms: less than CP-SAT's presolve, so the greedy hint.
-    step, state, x = mlp_step(1024, 64, 6)
+    # The intra-op solver, given 1 ms: less than CP-SAT's presolve, so the greedy hint. (A
+    # problem whose relaxation is fractional: a GPT block of d_model 4096 on one 8-GPU node;
+    # the small MLPs' relaxations are integral once their blocks are folded.)
+    config = models.load_model_config("gpt3-175b", overrides={
+        "n_layers": 2, "d_model": 4096, "n_heads": 32, "d_ff": 16384})
+    graphdef, state = models.abstract_train_state(config)
+    node = sp.Cluster.from_dict({"name": "h100-node", "groups": [{
+        "name": "h100", "device": "h100-sxm", "nodes": 1, "devices_per_node": 8,
+        "intra_node": {"bandwidth_GB_s": 450.0, "latency_us": 2.0}}]})
     with pytest.warns(sp.ShardplanWarning,
                       match=r"(?s)0.001 s limit.*within \d+\.\d % of the proven lower bound"
                             r".*PlanConfig.time_limit_s.*raise"):
-        plan = sp.make_plan(step, state, x, cluster=sp.Cluster.local(),
+        plan = sp.make_plan(models.make_train_step(graphdef), state,
+                            models.example_batch(config, 1, abstract=True), cluster=node,
                             config=sp.PlanConfig(time_limit_s=0.001, relative_gap=0.0,
                                                  tie_periods=(1,)))
     assert plan.solver["status"] == "feasible" and plan.solver["gap"] > 0
