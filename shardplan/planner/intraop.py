@@ -49,6 +49,10 @@ from shardplan.trace.graph import OpGraph
 
 __all__ = ["IntraOpProblem", "Use", "build_intraop_problem", "operand_uses", "tie_layers"]
 
+# (Past 600 lines: the builder, the follower derivation and the operand-use walk that
+# planner/layout.py shares are one unit; folding loop blocks added the use counts and carries.
+# Issue 20's "one builder" step moves layout.py's mirrored node walk here and splits both.)
+
 INPUT_BYTE_TIEBREAK_S = 1e-15
 """Seconds charged per byte an input holds on one device. Far below any real cost, it breaks
 ties toward sharded inputs: a batch that is only sliced by the ops that read it (slicing is

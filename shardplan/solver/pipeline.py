@@ -123,6 +123,10 @@ __all__ = [
     "sync_s",
 ]
 
+# (Past 600 lines: the contract's dataclasses, the closed-form evaluator and its checks are
+# read together; the per-replica figures shared with solver/_runs.py live beside the evaluator
+# so that both sum in the same order.)
+
 Remat = Literal["none", "selective", "full"]
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
 REMATS: tuple[Remat, ...] = ("none", "selective", "full")
