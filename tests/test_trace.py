@@ -333,3 +333,130 @@ def test_graph_is_a_frozen_value() -> None:
         graph.name = "other"  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         graph.ops[0].flops = 0.0  # type: ignore[misc]
+    # Every op and tensor is the value itself, not the draft it was built as.
+    from shardplan.trace.graph import Op, Tensor
+
+    assert all(type(op) is Op for op in graph.ops)
+    assert all(type(t) is Tensor for t in graph.tensors)
+
+
+# ------------------------------------------------------------------------------------------
+# The passes' speed-ups change nothing
+# ------------------------------------------------------------------------------------------
+def _graph_digest(graph: sp.OpGraph) -> str:
+    """A sha256 of every field of the graph: ops, tensors, parameters, layers, notes.
+
+    Source lines enter as the index of their first appearance among the ops, so that the digest
+    does not depend on where the checkout lives; which ops share a line (what the layer cuts
+    read) is kept.
+    """
+    import hashlib
+
+    def text(x: object) -> str:
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            return type(x).__name__ + "(" + ",".join(
+                f"{f.name}={text(getattr(x, f.name))}" for f in dataclasses.fields(x)) + ")"
+        if isinstance(x, dict):
+            return "{" + ",".join(f"{k!r}:{text(v)}" for k, v in x.items()) + "}"
+        if isinstance(x, tuple | list):
+            return "(" + ",".join(text(v) for v in x) + ")"
+        return f"{type(x).__name__}:{x!r}"
+
+    h = hashlib.sha256()
+    for item in (graph.name, graph.inputs, graph.outputs, graph.output_paths,
+                 graph.unknown_primitives, graph.notes, graph.tensors, graph.parameters,
+                 graph.layers):
+        h.update(text(item).encode())
+    source_ids: dict[str, int] = {}
+    for op in graph.ops:
+        line = source_ids.setdefault(op.source, len(source_ids))
+        h.update(text(dataclasses.replace(op, source=str(line))).encode())
+    return h.hexdigest()[:32]
+
+
+# `_graph_digest` of each tiny model's train step (abstract state, batch 4), taken with the trace
+# stage as it was before its passes were made faster (commit 00c61bc, jax 0.10.2). A change to a
+# model, to jax or to what the trace stage computes changes them: then check the new graph on
+# purpose (e.g. against the trace stage of a commit whose graph you trust) and update the digest.
+_REFERENCE_DIGESTS = {
+    ("gpt-tiny", False): "c4b98127291c01a616ead6c06f426b53",
+    ("gpt-tiny-scan", None): "461ed28caf8f4190d43697861f819098",
+    ("llama-tiny", False): "5f04c6b6648b51727dfba234e33bc645",
+    ("llama-tiny", True): "d4c6ae6d91ed6580b915fa7cb221bf06",
+    ("moe-tiny", False): "ad1be2a2042bc56397afc3c6e024310e",
+    ("moe-tiny", True): "4018a7e3ca8fc6f7d7b059dbb0e11dc1",
+}
+
+
+@pytest.mark.parametrize(("name", "scan"), list(_REFERENCE_DIGESTS),
+                         ids=[f"{n}-{'preset' if s is None else 'scan' if s else 'loop'}"
+                              for n, s in _REFERENCE_DIGESTS])
+def test_graph_equals_the_reference_trace(name: str, scan: bool | None) -> None:
+    cfg = models.load_model_config(name, overrides={} if scan is None else {"scan_layers": scan})
+    graphdef, state = models.abstract_train_state(cfg)
+    graph = sp.trace(models.make_train_step(graphdef), state,
+                     models.example_batch(cfg, 4, abstract=True))
+    assert _graph_digest(graph) == _REFERENCE_DIGESTS[(name, scan)], (
+        f"the graph of {name} differs from the reference trace's; if the model or jax changed "
+        "on purpose, check the new graph and update _REFERENCE_DIGESTS")
+
+
+def test_source_lines_are_jax_summaries() -> None:
+    # The flattener caches source lines per traceback; each must be what jax itself says.
+    from jax.extend import core as jcore
+    from jax.extend import source_info_util
+
+    from shardplan.trace.flatten import _SourceCache
+
+    cfg = models.load_model_config("llama-tiny", overrides={"n_layers": 2})
+    graphdef, state = models.abstract_train_state(cfg)
+    jaxpr = jax.jit(models.make_train_step(graphdef)).trace(
+        state, models.example_batch(cfg, 4, abstract=True)).jaxpr.jaxpr
+    cache = _SourceCache()
+    eqns = []
+
+    def collect(j) -> None:
+        for eqn in j.eqns:
+            eqns.append(eqn)
+            for sub in jcore.jaxprs_in_params(eqn.params):
+                collect(sub)
+
+    collect(jaxpr)
+    assert len(eqns) > 500
+    assert len({id(e.source_info.traceback) for e in eqns}) > len(cache.by_traceback)
+    for eqn in eqns:
+        assert cache(eqn) == source_info_util.summarize(eqn.source_info)
+    assert 0 < len(cache.by_traceback) < len(eqns) / 2  # the cache does hit
+
+
+def test_drafts_freeze_into_the_values_they_describe() -> None:
+    from shardplan.trace.graph import Op, OpDraft, Tensor, TensorDraft
+
+    fields = dict(id=3, primitive="add", inputs=(1, 2), outputs=(4,), flops=8.0,
+                  transcendentals=0.0, bytes_read=64, bytes_written=32, count=2, loop_trips=1,
+                  phase="forward", scope="blocks.0", source="m.py:1 (f)", layers=(1,), loop=(),
+                  structural=False, attrs={"axes": (0,)}, path=(5,))
+    op = OpDraft(**fields).freeze()  # type: ignore[arg-type]
+    assert type(op) is Op and op == Op(**fields)  # type: ignore[arg-type]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        op.count = 1  # type: ignore[misc]
+    tensor = TensorDraft(0, (2, 4), "float32", None, 32).freeze()
+    assert type(tensor) is Tensor and tensor == Tensor(0, (2, 4), "float32", None, 32)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        tensor.nbytes = 0  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_tracing_leaves_the_garbage_collector_as_it_was(enabled: bool) -> None:
+    import gc
+
+    was = gc.isenabled()
+    try:
+        if not enabled:
+            gc.disable()
+        sp.trace(lambda x: jnp.tanh(x).sum(), jax.ShapeDtypeStruct((3,), jnp.float32))
+        assert gc.isenabled() == enabled
+        assert gc.get_freeze_count() == 0
+    finally:
+        if was:
+            gc.enable()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+import gc
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -12,16 +14,40 @@ import numpy as np
 from shardplan._traceback import api_boundary
 from shardplan.errors import TraceError, format_error
 from shardplan.trace.flatten import FlatGraph, flatten_jaxpr, user_scope
-from shardplan.trace.graph import Layer, Op, OpGraph, Parameter, Phase, Role, Tensor
-from shardplan.trace.layers import POST, PRE, SHARED, LayerAssignment, assign_layers, fingerprint
+from shardplan.trace.graph import Layer, OpGraph, Parameter, Phase, Role, Tensor, TensorDraft
+from shardplan.trace.layers import (
+    POST,
+    PRE,
+    SHARED,
+    LayerAssignment,
+    assign_layers,
+    fingerprint_reprs,
+)
 
-__all__ = ["check_leaves", "trace"]
+__all__ = ["build_graph", "check_leaves", "trace"]
 
 _FORWARD_PHASES = ("forward", "recompute")
 
 
 def _keystr(path: Sequence[Any]) -> str:
     return jax.tree_util.keystr(tuple(path), simple=True, separator="/")
+
+
+def _keystrs(paths: Sequence[Sequence[Any]]) -> list[str]:
+    """``[_keystr(path) for path in paths]``, each key entry written once.
+
+    ``keystr`` joins one text per key entry; the paths of a flattened tree share the entry
+    objects of their common prefixes (every leaf under ``blocks/3`` holds the same two), so
+    the text is kept per entry object. ``paths`` holds the entries while the cache lives.
+    """
+    texts: dict[int, str] = {}
+    out = []
+    for path in paths:
+        for key in path:
+            if id(key) not in texts:
+                texts[id(key)] = jax.tree_util.keystr((key,), simple=True, separator="/")
+        out.append("/".join(map(texts.__getitem__, map(id, path))))
+    return out
 
 
 def check_leaves(args: tuple[Any, ...], /,
@@ -38,11 +64,8 @@ def check_leaves(args: tuple[Any, ...], /,
       TraceError: naming the key path and the type of the first leaf that is not an array.
     """
     leaves = jax.tree_util.tree_flatten_with_path(args)[0]
-    out = []
     for path, leaf in leaves:
-        ok = isinstance(leaf, jax.ShapeDtypeStruct | jax.Array | np.ndarray | np.generic
-                        | bool | int | float | complex)
-        if not ok:
+        if not isinstance(leaf, _ARRAY_LIKE):
             index = path[0].idx if hasattr(path[0], "idx") else None
             key = _keystr(path[1:])
             if names is not None and index is not None and index < len(names):
@@ -57,8 +80,12 @@ def check_leaves(args: tuple[Any, ...], /,
                 remedy="pass arrays or jax.ShapeDtypeStruct leaves only; keep Python objects "
                        "(strings, callables, configs) out of the state pytree, e.g. in a "
                        "closure or the graphdef"))
-        out.append((_keystr(path), leaf))
-    return out
+    paths = _keystrs([path for path, _ in leaves])
+    return [(path, leaf) for path, (_, leaf) in zip(paths, leaves, strict=True)]
+
+
+_ARRAY_LIKE = (jax.ShapeDtypeStruct, jax.Array, np.ndarray, np.generic, bool, int, float, complex)
+"""What a leaf of the traced arguments may be."""
 
 
 def _raw_phase(stack: str) -> Phase | None:
@@ -70,27 +97,25 @@ def _raw_phase(stack: str) -> Phase | None:
 
 
 def _phases(flat: FlatGraph, state_outputs: set[int]) -> list[Phase]:
-    raw = [_raw_phase(op.name_stack) for op in flat.ops]
-    ad = [i for i, p in enumerate(raw) if p is not None]
-    if not ad:
+    # The autodiff phase by name stack; stacks repeat, so each distinct one is parsed once.
+    raw_of = {stack: _raw_phase(stack) for stack in set(flat.name_stacks)}
+    raw = list(map(raw_of.__getitem__, flat.name_stacks))
+    first_ad = next((i for i, p in enumerate(raw) if p is not None), None)
+    if first_ad is None:
         return ["forward"] * len(raw)
-    first_ad = ad[0]
     # Which ops contribute to the new state (reverse reachability from the state outputs).
     live = set(state_outputs)
-    contributes = [False] * len(flat.ops)
-    for i in range(len(flat.ops) - 1, -1, -1):
-        op = flat.ops[i]
-        if any(t in live for t in op.outputs):
-            contributes[i] = True
-            live.update(op.inputs)
-    phases: list[Phase] = []
-    for i, p in enumerate(raw):
-        if p is not None:
-            phases.append(p)
-        elif i < first_ad:
-            phases.append("forward")
+    contributes = []
+    for op in reversed(flat.ops):
+        if live.isdisjoint(op.outputs):
+            contributes.append(False)
         else:
-            phases.append("update" if contributes[i] else "other")
+            contributes.append(True)
+            live.update(op.inputs)
+    contributes.reverse()
+    phases: list[Phase] = ["forward"] * first_ad
+    for p, c in zip(raw[first_ad:], contributes[first_ad:], strict=True):
+        phases.append(p if p is not None else "update" if c else "other")
     return phases
 
 
@@ -191,31 +216,76 @@ def trace(fn: Callable[..., Any], /, *args: Any, name: str | None = None) -> OpG
         raise TraceError(format_error(
             f"Tracing {getattr(fn, '__name__', fn)!r} failed: {type(e).__name__}: {e}"[:2000],
             remedy="make the function traceable with jax.jit on these argument shapes")) from e
-    flat = flatten_jaxpr(traced.jaxpr)
-    if len(flat.inputs) != len(leaves):
-        raise TraceError(format_error(
-            "The traced jaxpr's inputs do not line up with the argument leaves.",
-            value=(len(flat.inputs), len(leaves)),
-            remedy="pass every argument as a pytree of arrays (no static arguments)"))
-    input_paths = {t: p for t, (p, _) in zip(flat.inputs, leaves, strict=True)}
-    out_leaves = jax.tree_util.tree_flatten_with_path(traced.out_info)[0]
-    output_paths = [_keystr(p) for p, _ in out_leaves]
-    in_path_set = set(input_paths.values())
-    state_outputs = {t for t, p in zip(flat.outputs, output_paths, strict=True)
-                     if t is not None and p in in_path_set}
-    phases = _phases(flat, state_outputs)
-    return _build(flat, phases, input_paths, output_paths,
-                  name or str(getattr(fn, "__name__", "fn")))
+    return build_graph(traced, leaves, name=name or str(getattr(fn, "__name__", "fn")))
+
+
+def build_graph(traced: jax.stages.Traced, leaves: Sequence[tuple[str, Any]], /, *,
+                name: str) -> OpGraph:
+    """Shardplan's passes over a traced function: flatten and cost, phases and roles, layers.
+
+    :func:`trace` is :func:`check_leaves`, ``jax.jit(fn).trace(*args)``, then this; it is apart
+    so that the two halves can be timed apart (``benchmarks/trace_scale.py``).
+
+    Args:
+      traced: ``jax.jit(fn).trace(*args)``.
+      leaves: ``check_leaves(args)``.
+      name: the graph's name.
+
+    Returns:
+      The op graph.
+
+    Raises:
+      TraceError: the jaxpr's inputs do not line up with ``leaves``.
+    """
+    with _gc_paused():
+        flat = flatten_jaxpr(traced.jaxpr)
+        if len(flat.inputs) != len(leaves):
+            raise TraceError(format_error(
+                "The traced jaxpr's inputs do not line up with the argument leaves.",
+                value=(len(flat.inputs), len(leaves)),
+                remedy="pass every argument as a pytree of arrays (no static arguments)"))
+        input_paths = {t: p for t, (p, _) in zip(flat.inputs, leaves, strict=True)}
+        out_leaves = jax.tree_util.tree_flatten_with_path(traced.out_info)[0]
+        output_paths = _keystrs([p for p, _ in out_leaves])
+        in_path_set = set(input_paths.values())
+        state_outputs = {t for t, p in zip(flat.outputs, output_paths, strict=True)
+                         if t is not None and p in in_path_set}
+        phases = _phases(flat, state_outputs)
+        return _build(flat, phases, input_paths, output_paths, name)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pauses Python's cyclic garbage collector, and restores it.
+
+    The passes allocate a few objects per op and free no cycles, but each allocation counts
+    towards a collection, and a collection walks every live object: the traced jaxpr of a large
+    Python-loop model is millions of them, so collections took about a third of the passes'
+    time on GPT-3 175B. Reference counting still frees everything as usual. On the way out the
+    objects allocated meanwhile (the graph, long-lived) go to the oldest generation unexamined
+    (``gc.freeze`` then ``gc.unfreeze``), else the first allocation after ``gc.enable`` would
+    walk them all at once (0.3 s for GPT-3 175B); skipped where someone else froze objects.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            if gc.get_freeze_count() == 0:
+                gc.freeze()
+                gc.unfreeze()
+            gc.enable()
 
 
 def _build(flat: FlatGraph, phases: list[Phase], input_paths: dict[int, str],
            output_paths: list[str], name: str) -> OpGraph:
-    n_tensors = len(flat.tensor_shapes)
-    tensors = tuple(
-        Tensor(id=i, shape=flat.tensor_shapes[i], dtype=flat.tensor_dtypes[i],
-               producer=flat.tensor_producers[i],
-               nbytes=_nbytes(flat.tensor_shapes[i], flat.tensor_dtypes[i]))
-        for i in range(n_tensors))
+    shapes, dtypes = flat.tensor_shapes, flat.tensor_dtypes
+    n_tensors = len(shapes)
+    nbytes_of = [_nbytes(shape, dtype) for shape, dtype in flat.signatures]
+    nbytes = list(map(nbytes_of.__getitem__, flat.tensor_signatures))
+    tensors = tuple(map(TensorDraft.freeze, map(
+        TensorDraft, range(n_tensors), shapes, dtypes, flat.tensor_producers, nbytes)))
     consumers: list[list[int]] = [[] for _ in range(n_tensors)]
     for i, op in enumerate(flat.ops):
         for t in op.inputs:
@@ -224,35 +294,33 @@ def _build(flat: FlatGraph, phases: list[Phase], input_paths: dict[int, str],
     roles = _roles(phases, readers)
     param_ts = [t for t in flat.inputs if roles[t] == "parameter"]
     opt_ts = [t for t in flat.inputs if roles[t] == "optimizer_state"]
-    links = _link_state(input_paths, flat.tensor_shapes, param_ts, opt_ts)
+    links = _link_state(input_paths, shapes, param_ts, opt_ts)
     param_paths = {t: input_paths[t] for t in param_ts}
-    assignment = assign_layers(
-        flat, phases, param_paths, state_links=links,
-        tensor_bytes=[t.nbytes for t in tensors], sources=[op.source for op in flat.ops])
+    assignment = assign_layers(flat, phases, param_paths, state_links=links,
+                               tensor_bytes=nbytes, sources=[op.source for op in flat.ops])
     stacked = {t for st in assignment.stacks for ids in st.instance_params for t in ids}
     glue = set(param_ts) - stacked
     layers, unit_layers = _make_layers(flat, phases, assignment, param_paths, glue, readers,
                                        links, tensors)
     op_layers = _op_layers(assignment, unit_layers)
     layer_of_tensor = _param_layers(assignment, unit_layers, glue, readers, phases, links)
-    ops = tuple(
-        Op(id=i, primitive=op.primitive, inputs=tuple(op.inputs), outputs=tuple(op.outputs),
-           flops=float(op.flops), transcendentals=float(op.transcendentals),
-           bytes_read=op.bytes_read, bytes_written=op.bytes_written, count=op.count,
-           loop_trips=op.loop_trips, phase=phases[i],
-           scope=_scope(op.name_stack, op.inputs, param_paths, layers, op_layers[i]),
-           source=op.source, layers=op_layers[i], loop=op.loop, structural=op.structural,
-           attrs=op.attrs, path=op.path)
-        for i, op in enumerate(flat.ops))
+    scopes = _scopes(flat, param_paths, layers, op_layers)
+    # The drafts' last three fields (placeholders so far, see FlatGraph), then the values.
+    ops = []
+    for op, phase, scope, op_layer in zip(flat.ops, phases, scopes, op_layers, strict=True):
+        op.phase = phase
+        op.scope = scope
+        op.layers = op_layer
+        ops.append(op.freeze())
     parameters = tuple(
         Parameter(path=_strip_arg(input_paths[t]), arg_index=_arg_index(input_paths[t]),
-                  tensor=t, shape=flat.tensor_shapes[t], dtype=flat.tensor_dtypes[t],
+                  tensor=t, shape=shapes[t], dtype=dtypes[t],
                   role=roles[t], readers=tuple(readers[t]), layer=layer_of_tensor.get(t),
                   stacked=t in stacked and any(st.scan_loops for st in assignment.stacks
                                                if t in st.instance_params[0]),
                   param_path=_strip_arg(input_paths[links[t]]) if t in links else None)
         for t in flat.inputs)
-    return OpGraph(name=name, ops=ops, tensors=tensors, inputs=tuple(flat.inputs),
+    return OpGraph(name=name, ops=tuple(ops), tensors=tensors, inputs=tuple(flat.inputs),
                    outputs=tuple(flat.outputs), output_paths=tuple(output_paths),
                    parameters=parameters, layers=tuple(layers),
                    unknown_primitives=tuple(flat.unknown_primitives),
@@ -319,44 +387,92 @@ def _make_layers(flat: FlatGraph, phases: list[Phase], a: LayerAssignment,
         specs.append((SHARED, "shared", "shared", None, 1.0, []))
     unit_layers: dict[int, list[int]] = {}
     layers: list[Layer] = []
-    op_items: dict[tuple[int, float], list[object]] = {}
+    # The layers of a scanned stack share their ops, parameters and share of each op: their
+    # FLOPs and fingerprint are computed once, per (unit, share).
+    shared: dict[tuple[int, float], tuple[dict[str, float], str]] = {}
+    prints = _Fingerprints(flat)
     for idx, (u, lname, kind, stack, share, pids) in enumerate(specs):
         unit_layers.setdefault(u, []).append(idx)
         ops = ops_of.get(u, [])
-        flops: dict[str, float] = {}
-        for o in ops:
-            op = flat.ops[o]
-            flops[phases[o]] = flops.get(phases[o], 0.0) + op.flops * op.count * share
-        rel = _relative_paths(a, u, pids, param_paths)
-        if (u, share) not in op_items:  # the layers of a scanned stack share their ops
-            op_items[(u, share)] = [
-                (phases[o], flat.ops[o].primitive,
-                 tuple((tensors[t].shape, tensors[t].dtype) for t in flat.ops[o].inputs),
-                 tuple((tensors[t].shape, tensors[t].dtype) for t in flat.ops[o].outputs),
-                 tuple(sorted(flat.ops[o].attrs.items())), flat.ops[o].count * share)
-                for o in ops if _fingerprinted(flat, o)]
-        items: list[object] = list(op_items[(u, share)])
-        items += [("param", rel[t], tensors[t].shape, tensors[t].dtype) for t in pids]
+        if (u, share) not in shared:
+            flops, keys = _layer_ops(flat, phases, ops, share)
+            rel = _relative_paths(a, u, pids, param_paths)
+            params = [repr(("param", rel[t], tensors[t].shape, tensors[t].dtype)) for t in pids]
+            shared[(u, share)] = flops, prints(keys, params)
+        flops, print_ = shared[(u, share)]
         pbytes = sum(tensors[t].nbytes for t in pids) * share
         layers.append(Layer(index=idx, name=lname, kind=kind, stack=stack,  # type: ignore[arg-type]
-                            fingerprint=fingerprint(items), ops=tuple(ops), op_share=share,
+                            fingerprint=print_, ops=tuple(ops), op_share=share,
                             params=tuple(_strip_arg(param_paths[t]) for t in pids),
-                            param_bytes=int(pbytes), flops=flops))
+                            param_bytes=int(pbytes), flops=dict(flops)))
     return layers, {u: tuple(v) for u, v in unit_layers.items()}
 
 
-def _fingerprinted(flat: FlatGraph, op_id: int) -> bool:
-    """Whether an op takes part in its layer's fingerprint.
+_ItemKey = tuple[str, str, tuple[int, ...], tuple[int, ...], str, float]
+"""An op's fingerprint item, as (phase, primitive, input signature ids, output signature ids,
+attributes' repr, executions): see _Fingerprints."""
 
-    Ops XLA folds away and ops on scalars only (a running sum of per-layer auxiliary losses,
-    which the first layer starts from a literal zero) have exactly one sharding and no cost, so
-    they do not distinguish layers for the solver.
+
+class _Fingerprints:
+    """Layer fingerprints (:func:`~shardplan.trace.layers.fingerprint`) from item keys.
+
+    A layer's fingerprint hashes the ``repr`` of one item per op, ``(phase, primitive,
+    ((shape, dtype) of each input), (... of each output), sorted attributes, executions)``,
+    and of one per parameter. Ops come here as *keys* that determine their item's text: the
+    same strings and numbers, the attributes already as text, and each (shape, dtype) pair as
+    its signature id (equal ids, equal pairs). Layers with equal keys in equal
+    order (the blocks of a Python loop) have equal texts, so each distinct layer is written
+    out and hashed once; any other layer is simply written out too.
     """
-    op = flat.ops[op_id]
-    if op.attrs.get("folded"):
-        return False
-    shapes = flat.tensor_shapes
-    return any(shapes[t] for t in op.inputs) or any(shapes[t] for t in op.outputs)
+
+    def __init__(self, flat: FlatGraph) -> None:
+        self._pairs = [repr(pair) for pair in flat.signatures]
+        self._done: dict[tuple[tuple[_ItemKey, ...], tuple[str, ...]], str] = {}
+
+    def __call__(self, keys: list[_ItemKey], params: list[str]) -> str:
+        """The fingerprint of a layer: ``keys`` of its ops, reprs of its parameter items."""
+        done = (tuple(keys), tuple(params))
+        text = self._done.get(done)
+        if text is None:
+            text = self._done[done] = fingerprint_reprs(list(map(self._item, keys)) + params)
+        return text
+
+    def _item(self, key: _ItemKey) -> str:
+        phase, primitive, ins, outs, attrs, count = key
+        return f"({phase!r}, {primitive!r}, {self._tuple(ins)}, {self._tuple(outs)}, " \
+               f"{attrs}, {count!r})"  # a 6-tuple's repr
+
+    def _tuple(self, sigs: tuple[int, ...]) -> str:
+        """``repr`` of the tuple of (shape, dtype) pairs with signature ids ``sigs``."""
+        texts = list(map(self._pairs.__getitem__, sigs))
+        return f"({texts[0]},)" if len(texts) == 1 else f"({', '.join(texts)})"
+
+
+def _layer_ops(flat: FlatGraph, phases: list[Phase], ops: list[int], share: float
+               ) -> tuple[dict[str, float], list[_ItemKey]]:
+    """A layer's FLOPs per phase and the fingerprint keys of its ops (see _Fingerprints).
+
+    An op takes part in the fingerprint unless XLA folds it away or it works on scalars only
+    (a running sum of per-layer auxiliary losses, which the first layer starts from a literal
+    zero): such ops have exactly one sharding and no cost, so they do not distinguish layers
+    for the solver.
+    """
+    flops: dict[str, float] = {}
+    keys: list[_ItemKey] = []
+    shapes, op_flops = flat.tensor_shapes, flat.op_flops
+    signature = flat.tensor_signatures.__getitem__
+    for o in ops:
+        op = flat.ops[o]
+        phase = phases[o]
+        flops[phase] = flops.get(phase, 0.0) + op_flops[o] * op.count * share
+        attrs = op.attrs
+        if attrs.get("folded") or not (any(map(shapes.__getitem__, op.inputs))
+                                       or any(map(shapes.__getitem__, op.outputs))):
+            continue
+        keys.append((phase, op.primitive, tuple(map(signature, op.inputs)),
+                     tuple(map(signature, op.outputs)),
+                     repr(tuple(sorted(attrs.items()))) if attrs else "()", op.count * share))
+    return flops, keys
 
 
 def _relative_paths(a: LayerAssignment, u: int, pids: list[int],
@@ -394,16 +510,24 @@ def _param_layers(a: LayerAssignment, unit_layers: dict[int, tuple[int, ...]], g
     return out
 
 
-def _scope(name_stack: str, inputs: list[int], param_paths: dict[int, str],
-           layers: list[Layer], op_layers: tuple[int, ...]) -> str:
-    scope = user_scope(name_stack)
-    if scope:
-        return scope
-    for t in inputs:
-        if t in param_paths:
-            return module_path(param_paths[t])
-    if len(op_layers) == 1:
-        return layers[op_layers[0]].name
-    if op_layers:
-        return layers[op_layers[0]].stack or layers[op_layers[0]].name
-    return ""
+def _scopes(flat: FlatGraph, param_paths: dict[int, str], layers: list[Layer],
+            op_layers: list[tuple[int, ...]]) -> list[str]:
+    """Each op's module scope: its user ``named_scope`` s, else the module of the first
+    parameter it reads, else its layer's name (or stack's, for several layers).
+
+    Name stacks repeat (every op of a block's attention shares one), so each is parsed once.
+    """
+    user_scopes = {stack: user_scope(stack) for stack in set(flat.name_stacks)}
+    modules = {t: module_path(p) for t, p in param_paths.items()}
+    no_module = modules.keys().isdisjoint
+    out = list(map(user_scopes.__getitem__, flat.name_stacks))
+    for i, scope in enumerate(out):
+        if scope:
+            continue
+        op = flat.ops[i]
+        if not no_module(op.inputs):
+            out[i] = next(modules[t] for t in op.inputs if t in modules)
+        elif op_layers[i]:
+            first = layers[op_layers[i][0]]
+            out[i] = first.name if len(op_layers[i]) == 1 else (first.stack or first.name)
+    return out

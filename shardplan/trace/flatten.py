@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
+import operator
 import re
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
 
 import numpy as np
 from jax.extend import core as jcore
@@ -27,48 +29,44 @@ from shardplan.kernels.registry import PRIMITIVE as KERNEL
 from shardplan.kernels.registry import recorded, rule_for
 from shardplan.trace.flops import (
     ELEMENTWISE,
+    KNOWN_PRIMITIVES,
     TRANSCENDENTAL,
     equation_cost,
+    equation_flops,
     is_known_primitive,
+    nbytes,
 )
+from shardplan.trace.graph import OpDraft
 
-__all__ = ["FlatGraph", "RawOp", "call_like_jaxpr", "flatten_jaxpr"]
+__all__ = ["FlatGraph", "call_like_jaxpr", "flatten_jaxpr"]
 
 _CALL_LIKE_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+_CALL_KEYS = frozenset(_CALL_LIKE_PARAMS)
+_AVAL = operator.attrgetter("aval")
 _WRAPPER_NAMES = frozenset({"jvp", "transpose", "vmap", "remat", "checkpoint", "pjit", "jit",
                             "rematted_computation", "custom_jvp_call", "custom_vjp_call",
                             "shard_map", "while", "scan", "cond", "body", "cond_fun", "body_fun"})
 
 
 @dataclasses.dataclass
-class RawOp:
-    """An op while the graph is being built (mutable; frozen into ``Op`` later)."""
-
-    primitive: str
-    inputs: list[int]
-    outputs: list[int]
-    flops: float
-    transcendentals: float
-    bytes_read: int
-    bytes_written: int
-    count: int
-    loop_trips: int
-    name_stack: str
-    source: str
-    loop: tuple[tuple[int, int], ...]
-    structural: bool
-    attrs: dict[str, Any]
-    path: tuple[int, ...] | None = None
-
-
-@dataclasses.dataclass
 class FlatGraph:
-    """The result of flattening: ops, tensor table and bookkeeping for later passes."""
+    """The result of flattening: ops, tensor table and bookkeeping for later passes.
 
-    ops: list[RawOp]
+    ``ops`` are drafts of the graph's :class:`~shardplan.trace.graph.Op` values, every field
+    final but three: ``phase``, ``scope`` and ``layers`` hold placeholders (``"other"``,
+    ``""``, ``()``) that :func:`shardplan.trace.api.build_graph` fills in before it freezes
+    them.
+    """
+
+    ops: list[OpDraft]
+    name_stacks: list[str]  # per op: the name stack of its equation, joined through calls
+    op_flops: list[float]  # per op: its FLOPs as the cost rule gave them (Op.flops is a float)
     tensor_shapes: list[tuple[int, ...]]
     tensor_dtypes: list[str]
     tensor_producers: list[int | None]
+    # per tensor, a signature id: equal ids, equal (shape, dtype) pairs (and equal bytes)
+    tensor_signatures: list[int]
+    signatures: list[tuple[tuple[int, ...], str]]  # per signature id, the pair
     inputs: list[int]
     outputs: list[int | None]
     # loop id -> outer tensor ids sliced per iteration (scan xs) by that loop
@@ -87,27 +85,34 @@ def _dtype_name(dtype: Any) -> str:
 
 
 class _SourceCache:
-    """``file:line (function)`` per equation, computed once per traceback.
+    """``file:line (function)`` per equation: ``source_info_util.summarize``, cached.
 
-    Backward equations share their forward equation's traceback, so caching by traceback
-    identity halves the work; the jaxpr keeps the tracebacks alive while we hold their ids.
+    The text depends only on the traceback's frames (code object and instruction of each),
+    and jax's tracebacks compare and hash by exactly those, in C++. Every equation has a
+    traceback object of its own, but the blocks of a Python-loop model run through the same
+    lines: GPT-3 175B's 80,000 equations have a few hundred distinct tracebacks, and
+    summarising one walks twenty-odd frames to the innermost user frame.
     """
 
     def __init__(self) -> None:
-        self._by_tb: dict[int, str] = {}
+        self.by_traceback: dict[Any, str] = {}
 
     def __call__(self, eqn: Any) -> str:
         si = eqn.source_info
-        key = id(si.traceback)
-        hit = self._by_tb.get(key)
-        if hit is not None:
-            return hit
         try:
-            text = source_info_util.summarize(si)
+            return self.by_traceback[si.traceback]
+        except KeyError:
+            text = self.by_traceback[si.traceback] = self._summarize(si)
+            return text
+        except TypeError:  # an unhashable traceback (not jax's): no caching
+            return self._summarize(si)
+
+    @staticmethod
+    def _summarize(si: Any) -> str:
+        try:
+            return source_info_util.summarize(si)
         except Exception:  # source info is best-effort metadata; never fail a trace on it
-            text = ""
-        self._by_tb[key] = text
-        return text
+            return ""
 
 
 def _join_stack(prefix: str, inner: str) -> str:
@@ -143,9 +148,9 @@ def user_scope(name_stack: str) -> str:
 
 class _Builder:
     def __init__(self) -> None:
-        self.ops: list[RawOp] = []
-        self.shapes: list[tuple[int, ...]] = []
-        self.dtypes: list[str] = []
+        self.ops: list[OpDraft] = []
+        self.name_stacks: list[str] = []
+        self.op_flops: list[float] = []
         self.producers: list[int | None] = []
         self.loop_xs: dict[int, list[int]] = {}
         self.loop_lengths: dict[int, int] = {}
@@ -156,14 +161,46 @@ class _Builder:
         # (built from literals only); _UNKNOWN when the value itself is not tracked.
         self.consts: dict[int, Any] = {}
         self.source = _SourceCache()
+        # Tensors: per tensor id its signature id, per signature id its (shape, dtype) pair and
+        # the bytes of a value of it (cost rule's itemsize), by (pair, bytes).
+        self.sigs: list[int] = []
+        self.pairs: list[tuple[tuple[int, ...], str]] = []
+        self.pair_bytes: list[int] = []
+        self._pair_ids: dict[tuple[tuple[tuple[int, ...], str], int], int] = {}
+        self._signatures: dict[tuple[Any, Any], tuple[int, int]] = {}
 
     # -- tensors ---------------------------------------------------------------------------
+    def signature(self, aval: Any) -> tuple[int, int]:
+        """Bytes and signature id (see FlatGraph) of an abstract value, cached by (shape,
+        dtype): a train step has few distinct ones, and naming or even hashing a numpy dtype
+        costs about as much as a dictionary lookup of the pair."""
+        try:
+            key = (aval.shape, aval.dtype)
+            hit = self._signatures.get(key)
+        except (AttributeError, TypeError):  # a token; an unhashable shape (not jax's)
+            return self._signature(aval)
+        if hit is None:
+            hit = self._signatures[key] = self._signature(aval)
+        return hit
+
+    def _signature(self, aval: Any) -> tuple[int, int]:
+        pair = (tuple(map(int, getattr(aval, "shape", ()))),
+                _dtype_name(getattr(aval, "dtype", "float32")))
+        size = nbytes(aval)
+        sig = self._pair_ids.get((pair, size))
+        if sig is None:
+            sig = self._pair_ids[(pair, size)] = len(self.pairs)
+            self.pairs.append(pair)
+            self.pair_bytes.append(size)
+        return size, sig
+
+    def shape(self, t: int) -> tuple[int, ...]:
+        return self.pairs[self.sigs[t]][0]
+
     def new_tensor(self, aval: Any, producer: int | None) -> int:
-        shape = tuple(int(d) for d in getattr(aval, "shape", ()))
-        self.shapes.append(shape)
-        self.dtypes.append(_dtype_name(getattr(aval, "dtype", "float32")))
+        self.sigs.append(self.signature(aval)[1])
         self.producers.append(producer)
-        return len(self.shapes) - 1
+        return len(self.sigs) - 1
 
     def new_loop(self, length: int) -> int:
         loop_id = self._next_loop
@@ -173,29 +210,30 @@ class _Builder:
 
     # -- ops -------------------------------------------------------------------------------
     def add_op(self, primitive: str, in_ids: Sequence[int | None], in_avals: Sequence[Any],
-               out_avals: Sequence[Any], params: dict, *, count: int, trips: int, stack: str,
-               source: str, loop: tuple[tuple[int, int], ...], structural: bool = False,
-               attrs: dict[str, Any] | None = None, folded: bool = False,
+               out_avals: Sequence[Any], params: Mapping[str, Any], count: int, trips: int,
+               stack: str, source: str, loop: tuple[tuple[int, int], ...],
+               structural: bool = False, attrs: dict[str, Any] | None = None,
                path: tuple[int, ...] | None = None) -> list[int]:
+        """Adds one op: a structural marker (free) or a kernel call (costed). Plain equations
+        take :meth:`_plain`, which does the same."""
         op_id = len(self.ops)
-        if structural or folded:
-            flops = trans = 0.0
-            bytes_read = bytes_written = 0
-        else:
-            cost = equation_cost(primitive, in_avals, out_avals, params)
-            flops, trans = cost.flops, cost.transcendentals
-            bytes_read, bytes_written = cost.bytes_read, cost.bytes_written
-            if not is_known_primitive(primitive) and primitive not in self.unknown:
+        flops: float = 0.0
+        trans: float = 0.0
+        bytes_read = bytes_written = 0
+        if not structural:
+            flops, trans = equation_flops(primitive, in_avals, out_avals, params)
+            bytes_read = sum(self.signature(a)[0] for a in in_avals)
+            bytes_written = sum(self.signature(a)[0] for a in out_avals)
+            if primitive not in self.unknown and not is_known_primitive(primitive):
                 self.unknown[primitive] = source
-        if folded:
-            attrs = {**(attrs or {}), "folded": True}
         outs = [self.new_tensor(a, op_id) for a in out_avals]
-        self.ops.append(RawOp(
-            primitive=primitive, inputs=[t for t in in_ids if t is not None], outputs=outs,
-            flops=flops, transcendentals=trans, bytes_read=bytes_read,
-            bytes_written=bytes_written, count=count, loop_trips=trips, name_stack=stack,
-            source=source, loop=loop, structural=structural, attrs=attrs or {},
-            path=None if structural else path))
+        # Positional, in Op's field order; phase, scope and layers: placeholders (FlatGraph).
+        self.ops.append(OpDraft(
+            op_id, primitive, tuple([t for t in in_ids if t is not None]), tuple(outs),
+            float(flops), float(trans), bytes_read, bytes_written, count, trips, "other", "",
+            source, (), loop, structural, attrs or {}, None if structural else path))
+        self.name_stacks.append(stack)
+        self.op_flops.append(flops)
         return outs
 
     # -- walking ---------------------------------------------------------------------------
@@ -205,31 +243,106 @@ class _Builder:
         """Adds the ops of ``jaxpr``. ``path`` is the position of this jaxpr's equations in the
         traced program (indices through inlined calls) or None inside loop and branch bodies,
         whose equations the runtime cannot address one by one."""
-        env: dict[Any, int | None] = {}
+        # Tensor ids by variable, keyed by id(): jax variables compare by identity (and the
+        # jaxpr holds them all), literals are not hashable and map to None like an unknown.
+        env: dict[int, int | None] = {}
         for v, c in zip(jaxpr.constvars, consts, strict=False):
-            env[v] = self.new_tensor(getattr(c, "aval", c), None)
+            env[id(v)] = self.new_tensor(getattr(c, "aval", c), None)
         for v, t in zip(jaxpr.invars, in_ids, strict=True):
-            env[v] = t
-
-        def read(v: Any) -> int | None:
-            if isinstance(v, jcore.Literal):
-                return None
-            return env.get(v)
-
+            env[id(v)] = t
+        read = env.get
+        # Equations share name-stack objects; their text (joined to ``stack``) is kept per
+        # object id. The jaxpr holds every equation, so no id is reused during the walk.
+        stacks: dict[int, str] = {}
         for i, eqn in enumerate(jaxpr.eqns):
-            in_ids_e = [read(v) for v in eqn.invars]
-            eqn_stack = _join_stack(stack, str(eqn.source_info.name_stack))
-            outs = self._eqn(eqn, in_ids_e, count=count, trips=trips, stack=eqn_stack,
-                             loop=loop, path=None if path is None else (*path, i))
-            for v, t in zip(eqn.outvars, outs, strict=True):
-                env[v] = t
-        return [read(v) for v in jaxpr.outvars]
+            in_ids_e = list(map(read, map(id, eqn.invars)))
+            name_stack = eqn.source_info.name_stack
+            eqn_stack = stacks.get(id(name_stack))
+            if eqn_stack is None:
+                eqn_stack = stacks[id(name_stack)] = _join_stack(stack, str(name_stack))
+            eqn_path = None if path is None else (*path, i)
+            name = eqn.primitive.name
+            params = eqn.params
+            outs: Sequence[int | None] | None = None
+            if name in _NESTING or not _CALL_KEYS.isdisjoint(params):
+                outs = self._nested(eqn, in_ids_e, count=count, trips=trips, stack=eqn_stack,
+                                    loop=loop, path=eqn_path)
+            if outs is None:
+                outs = self._plain(eqn, name, params, in_ids_e, count, trips, eqn_stack, loop,
+                                   eqn_path)
+            # One result per outvar; zip's strict= would cost a keyword parse per equation.
+            env.update(zip(map(id, eqn.outvars), outs))  # noqa: B905
+        return list(map(read, map(id, jaxpr.outvars)))
 
-    def _eqn(self, eqn: Any, in_ids: list[int | None], *, count: int, trips: int, stack: str,
-             loop: tuple[tuple[int, int], ...], path: tuple[int, ...] | None
-             ) -> list[int | None]:
+    def _plain(self, eqn: Any, name: str, params: Mapping[str, Any], in_ids: list[int | None],
+               count: int, trips: int, stack: str, loop: tuple[tuple[int, int], ...],
+               path: tuple[int, ...] | None) -> list[int]:
+        """Adds an equation without a jaxpr to walk: one op (what :meth:`add_op` does, written
+        out for the hundred thousand equations of a large model)."""
+        literal = jcore.Literal
+        unknown_in = None in in_ids  # literal operands (or unknown ones) among them
+        if unknown_in:
+            in_avals = [v.aval for v in eqn.invars if not isinstance(v, literal)]
+        else:
+            in_avals = list(map(_AVAL, eqn.invars))
+        out_avals = list(map(_AVAL, eqn.outvars))
+        try:  # self.source(eqn), written out
+            source = self.source.by_traceback[eqn.source_info.traceback]
+        except (KeyError, TypeError):
+            source = self.source(eqn)
+        folded, out_val = False, _NOT_CONST
+        consts = self.consts
+        # Only literal or constant operands can fold (see _simplify); most equations have none.
+        if unknown_in or not consts.keys().isdisjoint(in_ids):
+            in_vals = [v.val if isinstance(v, literal)
+                       else (_NOT_CONST if t is None else consts.get(t, _NOT_CONST))
+                       for v, t in zip(eqn.invars, in_ids)]  # noqa: B905 (same length)
+            folded, out_val = _simplify(name, in_vals, params)
+        if name not in KNOWN_PRIMITIVES:
+            if any(True for _ in jcore.jaxprs_in_params(params)):
+                # A higher-order primitive we cannot look inside (e.g. a Pallas kernel): keep
+                # it as one opaque op so its operands and results stay in the graph.
+                self.unknown.setdefault(name, source)
+            if not folded:
+                self.unknown.setdefault(name, source)
+        attrs = _plain_attrs(name, params)
+        signature = self.signature
+        op_id = len(self.ops)
+        outs: list[int] = []
+        bytes_read = bytes_written = 0
+        flops: float = 0.0
+        trans: float = 0.0
+        if folded:  # costs nothing
+            attrs["folded"] = True
+        else:
+            flops, trans = equation_flops(name, in_avals, out_avals, params)
+            for a in in_avals:
+                bytes_read += signature(a)[0]
+        sigs, producers = self.sigs, self.producers
+        for a in out_avals:  # new_tensor, written out
+            nbytes_out, sig = signature(a)
+            if not folded:
+                bytes_written += nbytes_out
+            outs.append(len(sigs))
+            sigs.append(sig)
+            producers.append(op_id)
+        # Positional, in Op's field order; phase, scope and layers: placeholders (FlatGraph).
+        inputs = tuple([t for t in in_ids if t is not None] if unknown_in
+                       else cast("list[int]", in_ids))
+        self.ops.append(OpDraft(
+            op_id, name, inputs, tuple(outs), float(flops), float(trans), bytes_read,
+            bytes_written, count, trips, "other", "", source, (), loop, False, attrs, path))
+        self.name_stacks.append(stack)
+        self.op_flops.append(flops)
+        if out_val is not _NOT_CONST and len(outs) == 1:
+            consts[outs[0]] = out_val
+        return outs
+
+    def _nested(self, eqn: Any, in_ids: list[int | None], *, count: int, trips: int,
+                stack: str, loop: tuple[tuple[int, int], ...], path: tuple[int, ...] | None
+                ) -> list[int | None] | None:
+        """The results of an equation with a jaxpr inside, walked; None for an opaque one."""
         name = eqn.primitive.name
-        params = eqn.params
         kw: dict[str, Any] = dict(count=count, trips=trips, stack=stack, loop=loop)
         if name == "scan":
             return self._scan(eqn, in_ids, **kw)
@@ -239,28 +352,13 @@ class _Builder:
             return self._cond(eqn, in_ids, **kw)
         if name == "shard_map":
             return self._shard_map(eqn, in_ids, **kw)
-        if name in ("pjit", "jit") and str(params.get("name", "")).startswith(KERNEL_PREFIX):
+        if name in ("pjit", "jit") and str(eqn.params.get("name", "")).startswith(KERNEL_PREFIX):
             return self._kernel(eqn, in_ids, **kw, path=path)
         inner = call_like_jaxpr(eqn)
         if inner is not None:
             jaxpr, consts = inner
             return self.walk(jaxpr, in_ids, consts, **kw, path=path)
-        if list(jcore.jaxprs_in_params(params)) and not is_known_primitive(name):
-            # A higher-order primitive we cannot look inside (e.g. a Pallas kernel): keep it as
-            # one opaque op so its operands and results stay in the graph.
-            self.unknown.setdefault(name, self.source(eqn))
-        in_avals = [v.aval for v in eqn.invars if not isinstance(v, jcore.Literal)]
-        out_avals = [v.aval for v in eqn.outvars]
-        in_vals = [v.val if isinstance(v, jcore.Literal)
-                   else (_NOT_CONST if t is None else self.consts.get(t, _NOT_CONST))
-                   for v, t in zip(eqn.invars, in_ids, strict=True)]
-        simplified, out_val = _simplify(name, in_vals, params)
-        outs = self.add_op(name, in_ids, in_avals, out_avals, dict(params), count=count,
-                           trips=trips, stack=stack, source=self.source(eqn), loop=loop,
-                           attrs=_plain_attrs(name, params), folded=simplified, path=path)
-        if out_val is not _NOT_CONST and len(outs) == 1:
-            self.consts[outs[0]] = out_val
-        return list(outs)
+        return None
 
     def _kernel(self, eqn: Any, in_ids: list[int | None], *, count: int, trips: int, stack: str,
                 loop: tuple[tuple[int, int], ...], path: tuple[int, ...] | None
@@ -352,7 +450,7 @@ class _Builder:
         source = self.source(eqn)
         body_in: list[int | None] = []
         for t, v in zip(in_ids, body.invars, strict=True):
-            if t is None or self.shapes[t] == tuple(v.aval.shape):
+            if t is None or self.shape(t) == tuple(v.aval.shape):
                 body_in.append(t)
                 continue
             (local,) = self.add_op("shard_map_split", [t], [], [v.aval], {}, count=count,
@@ -365,7 +463,7 @@ class _Builder:
                          stack=stack, loop=loop)
         results: list[int | None] = []
         for t, v in zip(outs, eqn.outvars, strict=True):
-            if t is not None and tuple(self.shapes[t]) == tuple(v.aval.shape):
+            if t is not None and tuple(self.shape(t)) == tuple(v.aval.shape):
                 results.append(t)
                 continue
             (glob,) = self.add_op("shard_map_concat", [t] if t is not None else [], [], [v.aval],
@@ -375,6 +473,8 @@ class _Builder:
         return results
 
 
+_NESTING = frozenset({"scan", "while", "cond", "shard_map", "pjit", "jit"})
+"""Primitives with a jaxpr inside that the walk treats by name (the rest: call_like_jaxpr)."""
 _NOT_CONST = object()
 _UNKNOWN = object()
 _PASS_THROUGH = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims",
@@ -386,9 +486,21 @@ _SCALAR_FNS: dict[str, Any] = {
 }
 
 
+_PY_NUMBER = (int, float)
+_NP_VALUE = (np.ndarray, np.generic)
+_INTEGER = (int, np.integer)
+_SEQUENCE = (tuple, list)
+
+
 def _is_value(v: Any, x: float) -> bool:
     if v is _NOT_CONST or v is _UNKNOWN:
         return False
+    # The usual literal values, a Python or 0-d array scalar, compared as numpy would compare
+    # them, without numpy's microseconds per call (jax's literal arrays are a subclass).
+    if isinstance(v, _PY_NUMBER):
+        return bool(v == x)
+    if isinstance(v, _NP_VALUE) and v.ndim == 0 and v.dtype.kind in "biuf":
+        return bool(v.item() == x)
     try:
         return bool(np.all(np.asarray(v) == x))
     except (TypeError, ValueError):
@@ -406,7 +518,8 @@ def _simplify(primitive: str, in_vals: list[Any], params: Any) -> tuple[bool, An
         return False, _NOT_CONST
     foldable = (primitive in _PASS_THROUGH or primitive in ELEMENTWISE
                 or primitive in TRANSCENDENTAL)
-    if foldable and all(v is not _NOT_CONST for v in in_vals):
+    # (map over operator.is_, not generators: this runs for every equation with a literal)
+    if foldable and not any(map(operator.is_, in_vals, itertools.repeat(_NOT_CONST))):
         if primitive in _PASS_THROUGH and len(in_vals) == 1:
             return True, in_vals[0]
         fn = _SCALAR_FNS.get(primitive)
@@ -417,11 +530,11 @@ def _simplify(primitive: str, in_vals: list[Any], params: Any) -> tuple[bool, An
             except (TypeError, ValueError):
                 return True, _UNKNOWN
         return True, _UNKNOWN
-    if primitive in ("add", "add_any") and any(_is_value(v, 0) for v in in_vals):
+    if primitive in ("add", "add_any") and any(map(_is_value, in_vals, itertools.repeat(0))):
         return True, _NOT_CONST
     if primitive == "sub" and len(in_vals) == 2 and _is_value(in_vals[1], 0):
         return True, _NOT_CONST
-    if primitive == "mul" and any(_is_value(v, 1) for v in in_vals):
+    if primitive == "mul" and any(map(_is_value, in_vals, itertools.repeat(1))):
         return True, _NOT_CONST
     return False, _NOT_CONST
 
@@ -503,6 +616,13 @@ def _while_trip_count(eqn: Any) -> int | None:
     return None
 
 
+_ATTR_KEYS = ("axes", "axis", "dimensions", "permutation", "new_sizes", "broadcast_dimensions",
+              "shape", "dimension")
+"""Primitive parameters kept as attributes as they are (integers, tuples of integers)."""
+_ATTR_KEY_SET = frozenset(_ATTR_KEYS)
+_PLAIN_INT = frozenset({int})
+
+
 def _plain_attrs(primitive: str, params: Any) -> dict[str, Any]:
     """The primitive parameters later stages read, as plain Python data."""
     if primitive == "dot_general":
@@ -524,14 +644,18 @@ def _plain_attrs(primitive: str, params: Any) -> dict[str, Any]:
                    scatter_dims_to_operand_dims=tuple(dn.scatter_dims_to_operand_dims),
                    operand_batching_dims=tuple(dn.operand_batching_dims),
                    scatter_indices_batching_dims=tuple(dn.scatter_indices_batching_dims))
-    for key in ("axes", "axis", "dimensions", "permutation", "new_sizes",
-                "broadcast_dimensions", "shape", "dimension"):
-        if key in params:
-            val = params[key]
-            if isinstance(val, tuple | list):
-                out[key] = tuple(int(x) if isinstance(x, int | np.integer) else x for x in val)
-            elif isinstance(val, int | np.integer):
-                out[key] = int(val)
+    if params.keys().isdisjoint(_ATTR_KEY_SET):  # most equations (elementwise math)
+        return out
+    present = params.keys() & _ATTR_KEY_SET
+    for key in sorted(present, key=_ATTR_KEYS.index) if len(present) > 1 else present:
+        val = params[key]
+        if isinstance(val, _SEQUENCE):
+            if set(map(type, val)) <= _PLAIN_INT:  # already plain ints (the usual case)
+                out[key] = tuple(val)
+            else:
+                out[key] = tuple([int(x) if isinstance(x, _INTEGER) else x for x in val])
+        elif isinstance(val, _INTEGER):
+            out[key] = int(val)
     return out
 
 
@@ -550,7 +674,11 @@ def flatten_jaxpr(closed_jaxpr: Any) -> FlatGraph:
     outs = b.walk(jaxpr, in_ids, closed_jaxpr.consts, count=1, trips=1, stack="", loop=(),
                   path=())
     return FlatGraph(
-        ops=b.ops, tensor_shapes=b.shapes, tensor_dtypes=b.dtypes, tensor_producers=b.producers,
+        ops=b.ops, name_stacks=b.name_stacks, op_flops=b.op_flops,
+        tensor_shapes=[b.pairs[s][0] for s in b.sigs],
+        tensor_dtypes=[b.pairs[s][1] for s in b.sigs],
+        tensor_producers=b.producers, tensor_signatures=b.sigs,
+        signatures=b.pairs,
         inputs=[t for t in in_ids if t is not None], outputs=outs, loop_xs=b.loop_xs,
         loop_lengths=b.loop_lengths, unknown_primitives=sorted(b.unknown.items()),
         notes=b.notes)

@@ -28,8 +28,9 @@ Bytes are counted as every non-literal operand read once and every result writte
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -39,10 +40,12 @@ from shardplan.kernels.registry import rule_for
 
 __all__ = [
     "ELEMENTWISE",
+    "KNOWN_PRIMITIVES",
     "TRANSCENDENTAL",
     "ZERO_FLOP",
     "EquationCost",
     "equation_cost",
+    "equation_flops",
     "is_known_primitive",
 ]
 
@@ -113,26 +116,43 @@ def _size(shape: Sequence[int]) -> int:
     return int(math.prod(shape))
 
 
+def nbytes(aval: Any) -> int:
+    """Bytes of an abstract value (0 for one without a shape and dtype, a token)."""
+    return _nbytes(aval)
+
+
 def _nbytes(aval: Any) -> int:
-    shape = getattr(aval, "shape", None)
-    dtype = getattr(aval, "dtype", None)
+    try:
+        shape, dtype = aval.shape, aval.dtype
+    except AttributeError:  # not an array (a token)
+        return 0
     if shape is None or dtype is None:
         return 0
+    # A numpy dtype is its own np.dtype(); other dtypes go the slow way, cached (hashing a
+    # dtype costs about as much as np.dtype, and a large train step has 10^5 operands).
+    itemsize = dtype.itemsize if isinstance(dtype, np.dtype) else _itemsize(dtype)
+    return int(math.prod(shape)) * itemsize
+
+
+@functools.lru_cache(maxsize=256)
+def _itemsize(dtype: Any) -> int:
+    """Bytes per element."""
     try:
-        itemsize = np.dtype(dtype).itemsize
+        return int(np.dtype(dtype).itemsize)
     except TypeError:  # extended dtypes (PRNG keys): count their underlying words
-        itemsize = getattr(dtype, "itemsize", 8)
-    return _size(shape) * itemsize
+        return int(getattr(dtype, "itemsize", 8))
 
 
-def _dot_flops(in_avals: Sequence[Any], out_avals: Sequence[Any], params: dict) -> float:
+def _dot_flops(in_avals: Sequence[Any], out_avals: Sequence[Any],
+               params: Mapping[str, Any]) -> float:
     (lhs_contract, _rhs_contract), _batch = params["dimension_numbers"]
     lhs_shape = in_avals[0].shape
     contracted = _size([lhs_shape[d] for d in lhs_contract])
     return 2.0 * _size(out_avals[0].shape) * contracted
 
 
-def _conv_flops(in_avals: Sequence[Any], out_avals: Sequence[Any], params: dict) -> float:
+def _conv_flops(in_avals: Sequence[Any], out_avals: Sequence[Any],
+                params: Mapping[str, Any]) -> float:
     dn = params["dimension_numbers"]
     rhs_shape = in_avals[1].shape
     rhs_spec = dn.rhs_spec  # (out_feature_dim, in_feature_dim, *spatial)
@@ -148,7 +168,7 @@ def _integer_pow_flops(y: int) -> int:
 
 
 def equation_cost(primitive: str, in_avals: Sequence[Any], out_avals: Sequence[Any],
-                  params: dict) -> EquationCost:
+                  params: Mapping[str, Any]) -> EquationCost:
     """Returns the FLOPs, transcendentals and bytes of one execution of an equation.
 
     Args:
@@ -166,11 +186,28 @@ def equation_cost(primitive: str, in_avals: Sequence[Any], out_avals: Sequence[A
       >>> equation_cost("add", [a, a], [a], {}).flops
       128
     """
-    bytes_read = sum(_nbytes(a) for a in in_avals)
-    bytes_written = sum(_nbytes(a) for a in out_avals)
+    bytes_read = 0
+    for a in in_avals:
+        bytes_read += _nbytes(a)
+    bytes_written = 0
+    for a in out_avals:
+        bytes_written += _nbytes(a)
+    flops, trans = equation_flops(primitive, in_avals, out_avals, params)
+    return EquationCost(flops, trans, bytes_read, bytes_written)
+
+
+def equation_flops(primitive: str, in_avals: Sequence[Any], out_avals: Sequence[Any],
+                   params: Mapping[str, Any]) -> tuple[float, float]:
+    """The FLOPs and transcendentals of :func:`equation_cost`, without the bytes (which a
+    caller that sees each value many times can cache by value)."""
     out_elems = _size(out_avals[0].shape) if out_avals and hasattr(out_avals[0], "shape") else 0
     flops: float = 0
     trans: float = 0
+    # The two commonest cases first; no rule below applies to them (see _ONE_PER_ELEMENT).
+    if primitive in _ONE_PER_ELEMENT:
+        return out_elems, trans
+    if primitive in _FREE:
+        return flops, trans
     if primitive == KERNEL:
         rule = rule_for(str(params.get("name", "")))
         flops = rule.flops([tuple(a.shape) for a in in_avals], params.get("static", {})) \
@@ -212,14 +249,21 @@ def equation_cost(primitive: str, in_avals: Sequence[Any], out_avals: Sequence[A
         # ELEMENTWISE primitives, and the fallback for primitives without a rule (the caller
         # records those with `is_known_primitive`): one FLOP per output element.
         flops = out_elems
-    return EquationCost(flops, trans, bytes_read, bytes_written)
+    return flops, trans
 
 
 def is_known_primitive(primitive: str) -> bool:
     """Whether :func:`equation_cost` has a rule for ``primitive`` (not the fallback)."""
-    return (primitive == KERNEL or primitive in ELEMENTWISE or primitive in TRANSCENDENTAL
-            or primitive in ZERO_FLOP
-            or primitive in _REDUCTIONS or primitive in _ARG_REDUCTIONS
-            or primitive in _CUMULATIVE or primitive in _SCATTER_COMBINE or primitive == "sort"
-            or primitive in _COMPOSITE
-            or primitive in ("dot_general", "conv_general_dilated", "random_bits"))
+    return primitive in KNOWN_PRIMITIVES
+
+
+_RULED = frozenset({KERNEL, "dot_general", "conv_general_dilated", "integer_pow", "sort",
+                    "random_bits"}) | TRANSCENDENTAL | frozenset(_COMPOSITE) | _REDUCTIONS \
+    | _ARG_REDUCTIONS | _CUMULATIVE | _SCATTER_COMBINE
+"""Primitives with a rule of their own in :func:`equation_cost` (before its last two cases)."""
+_ONE_PER_ELEMENT = ELEMENTWISE - _RULED - ZERO_FLOP
+"""Elementwise primitives that no other rule claims: one FLOP per output element."""
+_FREE = ZERO_FLOP - _RULED
+"""Data movement that no other rule claims: no FLOPs."""
+KNOWN_PRIMITIVES = _RULED | ELEMENTWISE | ZERO_FLOP
+"""Primitives with a cost rule (:func:`is_known_primitive`)."""

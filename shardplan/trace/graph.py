@@ -173,6 +173,66 @@ class Layer:
         return float(sum(self.flops.values()))
 
 
+class OpDraft:
+    """An :class:`Op` under construction: the same fields, mutable, built without the frozen
+    dataclass's per-field ``object.__setattr__`` (four times the cost of the rest of an op's
+    tracing on a large model). :meth:`freeze` turns the object itself into that ``Op``.
+
+    The trace stage alone builds drafts, and freezes each before the graph is returned.
+    """
+
+    __slots__ = Op.__slots__  # the same layout, which lets freeze() change the class
+
+    def __init__(self, id: int, primitive: str, inputs: tuple[int, ...],
+                 outputs: tuple[int, ...], flops: float, transcendentals: float,
+                 bytes_read: int, bytes_written: int, count: int, loop_trips: int, phase: Phase,
+                 scope: str, source: str, layers: tuple[int, ...],
+                 loop: tuple[tuple[int, int], ...], structural: bool, attrs: Mapping[str, Any],
+                 path: tuple[int, ...] | None) -> None:
+        self.id = id
+        self.primitive = primitive
+        self.inputs = inputs
+        self.outputs = outputs
+        self.flops = flops
+        self.transcendentals = transcendentals
+        self.bytes_read = bytes_read
+        self.bytes_written = bytes_written
+        self.count = count
+        self.loop_trips = loop_trips
+        self.phase = phase
+        self.scope = scope
+        self.source = source
+        self.layers = layers
+        self.loop = loop
+        self.structural = structural
+        self.attrs = attrs
+        self.path = path
+
+    def freeze(self) -> Op:
+        """The op, frozen: this object, now an :class:`Op` (not to be used as a draft again)."""
+        self.__class__ = Op  # type: ignore[assignment]
+        return self  # type: ignore[return-value]
+
+
+class TensorDraft:
+    """A :class:`Tensor` under construction (see :class:`OpDraft`)."""
+
+    __slots__ = Tensor.__slots__
+
+    def __init__(self, id: int, shape: tuple[int, ...], dtype: str,
+                 producer: int | None, nbytes: int) -> None:
+        self.id = id
+        self.shape = shape
+        self.dtype = dtype
+        self.producer = producer
+        self.nbytes = nbytes
+
+    def freeze(self) -> Tensor:
+        """The tensor, frozen: this object, now a :class:`Tensor`."""
+        self.__class__ = Tensor  # type: ignore[assignment]
+        return self  # type: ignore[return-value]
+
+
 def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
     import numpy as np
 

@@ -33,7 +33,8 @@ from collections.abc import Sequence
 
 from shardplan.trace.flatten import FlatGraph
 
-__all__ = ["LayerAssignment", "Stack", "Unit", "assign_layers", "find_stacks"]
+__all__ = ["LayerAssignment", "Stack", "Unit", "assign_layers", "find_stacks", "fingerprint",
+           "fingerprint_reprs"]
 
 PRE = -1
 """Unit id of everything before the first block."""
@@ -204,11 +205,12 @@ class _Cutter:
         n = len(seq)
         diff = [0] * (n + 2)
         last_use: dict[int, int] = {}
+        ops, producers = flat.ops, flat.tensor_producers
         for i, op_id in enumerate(seq):
-            for t in flat.ops[op_id].inputs:
-                p = flat.tensor_producers[t]
+            for t in ops[op_id].inputs:
+                p = producers[t]
                 if p is not None and p in pos:
-                    last_use[t] = max(last_use.get(t, -1), i)
+                    last_use[t] = i  # positions only grow: the last one wins
         for t, last in last_use.items():
             p = flat.tensor_producers[t]
             assert p is not None
@@ -275,15 +277,19 @@ def link_gradients(flat: FlatGraph, phases: Sequence[str], param_tensors: dict[i
         tok[opt_t] = p
     shapes = flat.tensor_shapes
     consumed_by_update: set[int] = set()
-    for op_id, op in enumerate(flat.ops):
-        if phases[op_id] not in ("update", "other"):
-            continue
+    ops, producers = flat.ops, flat.tensor_producers
+    for op_id in [i for i, phase in enumerate(phases) if phase == "update" or phase == "other"]:
+        op = ops[op_id]
         for t in op.inputs:
             if t not in tok:
                 tok[t] = t
-                producer = flat.tensor_producers[t]
+                producer = producers[t]
                 if producer is not None and phases[producer] in ("backward", "recompute"):
                     consumed_by_update.add(t)
+        if len(op.inputs) == 1:  # both cases below give the outputs the input's token
+            for t in op.outputs:
+                tok[t] = tok[op.inputs[0]]
+            continue
         big = [t for t in op.inputs if shapes[t]]
         if big and len({shapes[t] for t in big}) == 1:
             root = tok[big[0]]
@@ -363,15 +369,22 @@ def assign_layers(flat: FlatGraph, phases: Sequence[str], param_tensors: dict[in
     def reads_glue(op_id: int) -> bool:
         """Reads a parameter outside the stacks, or computes such a parameter's gradient."""
         op = flat.ops[op_id]
-        return (any(t in glue_tensors for t in op.inputs)
+        return (not glue_tensors.isdisjoint(op.inputs)
                 or any(grads.get(t) in glue_tensors for t in op.outputs))
 
     fwd = [i for i in range(n_ops) if phases[i] == "forward"]
     bwd = [i for i in range(n_ops) if phases[i] in ("backward", "recompute")]
+    # Each is asked several times per op below: work them out once.
+    anchors: list[int | None] = [None] * n_ops
+    glue_reads = [False] * n_ops
+    for i in itertools.chain(fwd, bwd):
+        anchors[i] = anchor(i)
+        glue_reads[i] = reads_glue(i)
+    anchor_of, reads_glue_of = anchors.__getitem__, glue_reads.__getitem__
     # Order units by first forward anchor.
     first: dict[int, int] = {}
     for pos, op_id in enumerate(fwd):
-        a = anchor(op_id)
+        a = anchors[op_id]
         if a is not None and a not in first:
             first[a] = pos
     order = sorted(first, key=first.__getitem__)
@@ -381,9 +394,9 @@ def assign_layers(flat: FlatGraph, phases: Sequence[str], param_tensors: dict[in
         order += missing
     rank = {u: r for r, u in enumerate(order)}
 
-    block_sources = {sources[i] for i in fwd if anchor(i) is not None}
-    glue_sources = {sources[i] for i in fwd if anchor(i) is None and reads_glue(i)}
-    fwd_labels = _segment(flat, fwd, anchor, reads_glue, rank, order,
+    block_sources = {sources[i] for i in fwd if anchors[i] is not None}
+    glue_sources = {sources[i] for i in fwd if anchors[i] is None and glue_reads[i]}
+    fwd_labels = _segment(flat, fwd, anchor_of, reads_glue_of, rank, order,
                           block_sources - glue_sources, glue_sources - block_sources,
                           tensor_bytes, reverse=False, notes=notes)
     for op_id, u in zip(fwd, fwd_labels, strict=True):
@@ -391,7 +404,7 @@ def assign_layers(flat: FlatGraph, phases: Sequence[str], param_tensors: dict[in
     # Backward: prefer sides by the forward code each source line belongs to.
     fwd_block_src = {sources[i] for i, u in zip(fwd, fwd_labels, strict=True) if u >= 0}
     fwd_glue_src = {sources[i] for i, u in zip(fwd, fwd_labels, strict=True) if u < 0}
-    bwd_labels = _segment(flat, bwd, anchor, reads_glue, rank, order,
+    bwd_labels = _segment(flat, bwd, anchor_of, reads_glue_of, rank, order,
                           fwd_block_src - fwd_glue_src, fwd_glue_src - fwd_block_src,
                           tensor_bytes, reverse=True, notes=notes)
     for op_id, u in zip(bwd, bwd_labels, strict=True):
@@ -494,17 +507,32 @@ def _label_update(flat: FlatGraph, phases: Sequence[str], labels: list[int],
     same-shaped arrays). An op that combines values of different leaves (the running sum of a
     global gradient norm), or of no layer (a step counter), goes to ``shared``.
     """
-    for op_id, op in enumerate(flat.ops):
-        if phases[op_id] in ("forward", "backward", "recompute"):
-            for t in op.outputs:
-                t_unit[t] = labels[op_id]
-            if phases[op_id] == "forward":
+    update_ops = [i for i, phase in enumerate(phases) if phase in ("update", "other")]
+    # Below, t_unit is read for the operands of update ops only: label those that the forward
+    # and backward passes compute by their producer, and the parameters outside the stacks by
+    # their first forward reader.
+    producers = flat.tensor_producers
+    for op_id in update_ops:
+        for t in flat.ops[op_id].inputs:
+            p = producers[t]
+            if p is not None and phases[p] in ("forward", "backward", "recompute"):
+                t_unit[t] = labels[p]
+    if glue_tensors:
+        for op_id, op in enumerate(flat.ops):
+            if phases[op_id] == "forward" and not glue_tensors.isdisjoint(op.inputs):
                 for t in op.inputs:
                     if t in glue_tensors and t not in t_unit:
                         t_unit[t] = labels[op_id]
     for opt_t, param_t in state_links.items():
         if param_t in t_unit:
             t_unit[opt_t] = t_unit[param_t]
+    _label_by_leaf(flat, update_ops, labels, t_unit, state_links)
+
+
+def _label_by_leaf(flat: FlatGraph, update_ops: list[int], labels: list[int],
+                   t_unit: dict[int, int], state_links: dict[int, int]) -> None:
+    """The second half of :func:`_label_update`: merges the values of one leaf (union-find
+    over tokens) and labels each update op, in program order."""
     parent: dict[int, int] = {}
 
     def find(x: int) -> int:
@@ -516,19 +544,33 @@ def _label_update(flat: FlatGraph, phases: Sequence[str], labels: list[int],
         return root
 
     def token(t: int) -> int:
-        return find(state_links.get(t, t))
+        x = state_links.get(t, t)
+        up = parent.get(x, x)
+        if up == x or parent.get(up, up) == up:  # a root or a root's child: nothing to compress
+            return up
+        return find(x)
 
-    shapes = flat.tensor_shapes
-    for op_id, op in enumerate(flat.ops):
-        if phases[op_id] not in ("update", "other"):
-            continue
-        ins = [t for t in op.inputs if t_unit.get(t, SHARED) != SHARED]
-        if not any(shapes[t] for t in op.outputs) and len(ins) < len(op.inputs):
+    shape_of = flat.tensor_shapes.__getitem__
+    unit_of, not_shared = t_unit.get, SHARED.__ne__
+    for op_id in update_ops:
+        op = flat.ops[op_id]
+        units = list(map(unit_of, op.inputs, itertools.repeat(SHARED)))
+        ins = list(itertools.compress(op.inputs, map(not_shared, units)))
+        if len(ins) < len(units) and not any(map(shape_of, op.outputs)):
             # A scalar combined with a shared scalar (a running sum over leaves): shared.
             ins = []
-        layers_seen = {t_unit[t] for t in ins}
-        tokens = {token(t) for t in ins}
-        big = {shapes[t] for t in ins if shapes[t]}
+        if len(ins) <= 1:  # the general case below, for one value (or none): its leaf's
+            label = SHARED if not ins else t_unit[ins[0]]
+            labels[op_id] = label
+            single = token(ins[0]) if ins else SHARED
+            for t in op.outputs:
+                t_unit[t] = label
+                if label != SHARED:
+                    parent[t] = single
+            continue
+        layers_seen = set(filter(not_shared, units))
+        tokens = set(map(token, ins))  # in the order of ins: find compresses paths as it goes
+        big = set(filter(None, map(shape_of, ins)))  # the shapes of the non-scalars
         if len(big) == 1 and len(tokens) > 1:
             # Elementwise math on same-shaped arrays of one leaf (param, grad, moments).
             root = tokens.pop()
@@ -544,9 +586,14 @@ def _label_update(flat: FlatGraph, phases: Sequence[str], labels: list[int],
 
 
 def fingerprint(items: Sequence[object]) -> str:
-    """A short stable hash of a canonical description."""
-    h = hashlib.sha256()
-    for item in sorted(repr(i) for i in items):
-        h.update(item.encode())
-        h.update(b"\0")
-    return h.hexdigest()[:16]
+    """A short stable hash of a canonical description: the sorted ``repr`` s of its items, each
+    followed by a zero byte."""
+    return fingerprint_reprs(list(map(repr, items)))
+
+
+def fingerprint_reprs(reprs: list[str]) -> str:
+    """:func:`fingerprint` of the items whose ``repr`` s are ``reprs``."""
+    if not reprs:
+        return hashlib.sha256().hexdigest()[:16]
+    reprs.sort()
+    return hashlib.sha256(("\0".join(reprs) + "\0").encode()).hexdigest()[:16]
