@@ -4,6 +4,7 @@ the unrolled graph's tied problem, a block's size."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 from test_layout import CLUSTER
@@ -42,9 +43,20 @@ def test_a_loop_folds_into_one_block_per_fingerprint(gpt4) -> None:
     assert math.isclose(fold.graph.total_flops(), gpt4.total_flops(), rel_tol=1e-12)
     block_ops = len(gpt4.layers[blocks[0]].ops)
     assert len(fold.graph.ops) <= len(gpt4.ops) - 3 * block_ops + 3 * 2  # a loop index each
-    # The state is all there: every leaf, and every result computed by a folded op.
-    assert [(p.path, fold.tensor_ids[p.tensor]) for p in fold.graph.parameters] == [
-        (p.path, p.tensor) for p in gpt4.parameters]
+    # Every leaf is there or stands on its representative's: blocks 1-3's parameters and
+    # Adam moments are dropped, each for block 0's leaf at the same position, which holds the
+    # bytes of the four.
+    kept = {fold.tensor_ids[p.tensor]: p for p in fold.graph.parameters}
+    by_tensor = {p.tensor: p for p in gpt4.parameters}
+    assert set(kept) | set(fold.leaf_of) == set(by_tensor) and not set(kept) & set(fold.leaf_of)
+    for leaf, rep in fold.leaf_of.items():
+        mine, theirs = by_tensor[leaf].path, by_tensor[rep].path
+        assert re.sub(r"/blocks/[123]/", "/blocks/0/", mine) == theirs != mine
+    assert len(fold.leaf_of) == 3 * len([p for p in kept.values() if "/blocks/0/" in p.path])
+    weights = fold.leaf_weights
+    folded = fold.graph.parameters
+    assert {weights[p.tensor] for p in folded if "/blocks/0/" in p.path} == {4}
+    assert {weights[p.tensor] for p in folded if "/blocks/" not in p.path} == {1}
     # Only the tensors it still names: the members' results are gone.
     assert len(fold.graph.tensors) < len(gpt4.tensors) / 2
     inputs = set(fold.graph.inputs)
@@ -124,3 +136,24 @@ def test_a_fold_of_another_graph_is_refused(gpt4) -> None:
     mesh = candidate_meshes(CLUSTER.groups[0].device_ids[:2], CLUSTER)[0]
     with pytest.raises(ValueError, match="fold_blocks"):
         build_intraop_problem(gpt4, mesh, CLUSTER, tie_period=2, fold=fold)
+
+
+def test_an_annotated_leaf_of_a_folded_block_holds_in_every_block(gpt4) -> None:
+    # Block 2's leaf is dropped from the folded graph (it stands on block 0's): the user's
+    # fixed spec applies to the node they share, as on the tied unrolled problem.
+    fold = fold_blocks(gpt4)
+    assert fold is not None
+    path = "0/blocks/2/mlp/up/kernel/value"
+    leaf = gpt4.param_by_path[path].tensor
+    assert leaf in fold.leaf_of
+    mesh = candidate_meshes(CLUSTER.groups[0].device_ids[:4], CLUSTER)[0]
+    axis = mesh.axis_names[-1]
+    fixed = {path: ((axis,), ())}
+    tied = build_intraop_problem(gpt4, mesh, CLUSTER, fixed_specs=fixed)
+    folded = build_intraop_problem(gpt4, mesh, CLUSTER, fold=fold, fixed_specs=fixed)
+    solution = solve(folded.problem)
+    assert solution.assignment is not None
+    for t in (leaf, fold.leaf_of[leaf]):  # block 2's leaf and block 0's
+        n = folded.input_nodes[t]
+        assert folded.strategies[n][solution.assignment[n]].result_specs[0] == ((axis,), ())
+    assert math.isclose(solve(tied.problem).objective, solution.objective, rel_tol=SALTIPLIER)

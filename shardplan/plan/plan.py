@@ -653,6 +653,7 @@ def _check_layouts(value: object, stages: tuple[Stage, ...]) -> FrozenMap[str, L
         if not isinstance(layout, Layout):
             raise _config_error("Expected a Layout.", where=f"plan.layouts[{key!r}]",
                                 value=layout, remedy="pass Layout(param_specs, batch_specs)")
+    checked: set[tuple[str, tuple[str, ...]]] = set()
     for stage in stages:
         if not stage.layout:
             continue
@@ -660,10 +661,17 @@ def _check_layouts(value: object, stages: tuple[Stage, ...]) -> FrozenMap[str, L
             raise _mismatch(f"Stage {stage.index} uses layout {stage.layout!r}, which the plan "
                             "does not define.", where=f"plan.stages[{stage.index}].layout",
                             value=stage.layout, remedy=f"use one of {sorted(layouts)}")
-        layout = layouts[stage.layout]
+        # Stages of one layout on meshes with the same axes (a pipeline's replicas) pass or
+        # fail together: checked once, by the first of them.
+        if (stage.layout, stage.mesh.axis_names) in checked:
+            continue
+        checked.add((stage.layout, stage.mesh.axis_names))
+        layout, names = layouts[stage.layout], set(stage.mesh.axis_names)
         for name in ("param_specs", "batch_specs"):
             for key, spec in getattr(layout, name).items():
-                _check_axes(spec, stage, where=f"plan.layouts[{stage.layout!r}].{name}[{key!r}]")
+                if not all(axis in names for dim in spec for axis in dim):
+                    _check_axes(spec, stage,
+                                where=f"plan.layouts[{stage.layout!r}].{name}[{key!r}]")
     return FrozenMap(dict(layouts))
 
 

@@ -12,10 +12,12 @@ Megatron MLP pairs do; ``planner.intraop.tie_layers`` uses the same rule). A mem
 if its ops line up with its representative's position by position (primitive, operand and
 result shapes and dtypes; scalar-only and constant-folded ops are not compared, and stay in the
 folded graph as they are) and so do its parameters; a fingerprint with a member that does not
-is left unfolded. The folded graph keeps every tensor (same ids) and every parameter, drops the
-folded members' ops and multiplies each representative op's count by the members folded into
-it; folded members keep their layer entry with no ops of their own, so ``tie_layers`` ties
-their parameters to the representative's (one node each, their bytes adding up).
+is left unfolded. The folded graph drops the folded members' ops and multiplies each
+representative op's count by the members folded into it. It drops their parameter leaves too
+(and their optimizer state, which follows a parameter's sharding): a member's leaf is its
+representative's in every sharding, so the problem builders give the representative's node the
+bytes of all the leaves it stands for (:attr:`Fold.leaf_weights`) and :func:`expand` gives each
+dropped leaf that node. Folded members keep their layer entry with no ops and no parameters.
 
 The boundary between blocks. Member ``k`` reads what member ``k - 1`` wrote (the residual
 stream forward, its cotangent backward); folded, that is the representative reading its own
@@ -34,6 +36,7 @@ and tensor ids, so decoding, predictions and memory cuts run on the full graph a
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -96,6 +99,8 @@ class Fold:
       boundary: the operand uses of the folded graph that differ from its ops' counts.
       members: per representative layer index, how many layers fold into it (itself included).
       period: the folding period.
+      leaf_of: per parameter leaf of ``source`` the folded graph drops (a folded member's
+        parameter or optimizer state), its representative's leaf (ids of ``source``).
       charged: per costed folded op (not structural, not constant-folded), the op as the cost
         model charges it (``cost.compute.with_materialized_bytes``), as the *full* graph's
         buffers have it (folding rewires readers, which would change what XLA keeps in
@@ -113,42 +118,59 @@ class Fold:
     members: Mapping[int, int]
     period: int
     charged: Mapping[int, tuple[Op, ...]] = dataclasses.field(default_factory=dict)
+    leaf_of: Mapping[int, int] = dataclasses.field(default_factory=dict)
+
+    @functools.cached_property
+    def leaf_weights(self) -> Mapping[int, int]:
+        """Per parameter leaf of the folded graph (its ids), how many leaves of ``source`` it
+        stands for: itself and the dropped leaves of ``leaf_of`` (1 where none)."""
+        folded = {old: new for new, old in enumerate(self.tensor_ids)}
+        out = {p.tensor: 1 for p in self.graph.parameters}
+        for rep in self.leaf_of.values():
+            out[folded[rep]] += 1
+        return out
+
+    def full_inputs(self, input_nodes: Mapping[int, int]) -> dict[int, int]:
+        """``input_nodes`` (the folded graph's leaves) on ``source``'s ids, the dropped leaves
+        taking their representative's node."""
+        ids = self.tensor_ids
+        out = {ids[t]: n for t, n in input_nodes.items()}
+        out.update((leaf, out[rep]) for leaf, rep in self.leaf_of.items())
+        return out
 
 
 def costed_ops(graph: OpGraph, ops: Sequence[int]) -> list[int]:
     """The ops that define a layer's fingerprint: not folded away, not scalar-only (a loop
     index bumped between blocks, a literal cast, sit where the tracer put them and differ
     between otherwise equal blocks)."""
-    out = []
-    for o in ops:
-        op = graph.ops[o]
-        if op.attrs.get("folded"):
-            continue
-        if any(graph.tensors[t].shape for t in (*op.inputs, *op.outputs)):
-            out.append(o)
-    return out
+    fingerprinted = graph.fingerprinted
+    return [o for o in ops if fingerprinted[o]]
 
 
 def _aligned(graph: OpGraph, ops: Sequence[int], ref_ops: Sequence[int], layer: Layer,
-             ref: Layer) -> bool:
+             ref: Layer, signatures: Sequence[int]) -> bool:
     """Whether ``ops`` (of ``layer``) compute what ``ref_ops`` (of ``ref``) do, op by op, and
-    the two layers' parameters agree."""
+    the two layers' parameters agree (``signatures``: :func:`_signatures` of the graph)."""
     if len(ops) != len(ref_ops) or len(layer.params) != len(ref.params):
         return False
-    tensors = graph.tensors
-
-    def signature(ids: Sequence[int]) -> tuple:
-        return tuple((tensors[t].shape, tensors[t].dtype) for t in ids)
-
+    signature = signatures.__getitem__
+    graph_ops = graph.ops
     for a, b in zip(ops, ref_ops, strict=True):
-        x, y = graph.ops[a], graph.ops[b]
+        x, y = graph_ops[a], graph_ops[b]
         if (x.primitive != y.primitive or x.count != y.count or x.phase != y.phase
-                or signature(x.inputs) != signature(y.inputs)
-                or signature(x.outputs) != signature(y.outputs)):
+                or len(x.inputs) != len(y.inputs) or len(x.outputs) != len(y.outputs)
+                or any(map(int.__ne__, map(signature, x.inputs), map(signature, y.inputs)))
+                or any(map(int.__ne__, map(signature, x.outputs), map(signature, y.outputs)))):
             return False
     by_path = graph.param_by_path
     return all(by_path[a].shape == by_path[b].shape and by_path[a].dtype == by_path[b].dtype
                for a, b in zip(layer.params, ref.params, strict=True))
+
+
+def _signatures(graph: OpGraph) -> list[int]:
+    """Per tensor, an id of its (shape, dtype): equal ids for equal pairs."""
+    ids: dict[tuple[tuple[int, ...], str], int] = {}
+    return [ids.setdefault((t.shape, t.dtype), len(ids)) for t in graph.tensors]
 
 
 def _matched_constants(graph: OpGraph, layer: Layer, ref: Layer, costed: Sequence[int],
@@ -193,12 +215,14 @@ def _fold_map(graph: OpGraph, period: int
     for p in graph.parameters:
         if p.role == "optimizer_state" and p.param_path is not None:
             state_of[p.param_path].append(p.tensor)
+    signatures = _signatures(graph) if groups else []
     for members in groups.values():
         if len(members) <= period:
             continue
         pairs = [(m, members[k % period]) for k, m in enumerate(members) if k >= period]
         ops = {layer.index: costed_ops(graph, layer.ops) for layer in members}
-        if not all(_aligned(graph, ops[m.index], ops[ref.index], m, ref) for m, ref in pairs):
+        if not all(_aligned(graph, ops[m.index], ops[ref.index], m, ref, signatures)
+                   for m, ref in pairs):
             continue  # a member computes something else: the fingerprint stays unfolded
         for m, ref in pairs:
             layer_of[m.index] = ref.index
@@ -208,7 +232,10 @@ def _fold_map(graph: OpGraph, period: int
                 param_of[by_path[a].tensor] = by_path[b].tensor
                 # Its optimizer state (Adam's moments) follows a parameter's sharding: the
                 # update reads the representative's in every member.
-                if len(state_of[a]) == len(state_of[b]):
+                tensors = graph.tensors
+                if len(state_of[a]) == len(state_of[b]) and all(
+                        (tensors[x].shape, tensors[x].dtype) == (tensors[y].shape, tensors[y].dtype)
+                        for x, y in zip(state_of[a], state_of[b], strict=True)):
                     param_of.update(zip(state_of[a], state_of[b], strict=True))
     return layer_of, op_rep, param_of
 
@@ -277,7 +304,19 @@ def fold_blocks(graph: OpGraph, period: int = 1) -> Fold | None:
                 counts[(o, i)] = by_source[primary]
                 carries += [Carry(t, o, i, n) for t, n in by_source.items() if t != primary]
     return _assemble(graph, ops, new_id, op_rep, tensor_of, layer_of,
-                     BoundaryUses(counts, tuple(carries)), period)
+                     BoundaryUses(counts, tuple(carries)), period, _dropped_leaves(graph, ops,
+                                                                                   param_of))
+
+
+def _dropped_leaves(graph: OpGraph, ops: Sequence[Op], param_of: Mapping[int, int]
+                    ) -> dict[int, int]:
+    """The leaves of ``param_of`` (folded members' parameters and optimizer state) the folded
+    graph does without: those no kept op reads (the ops read the representative's instead)
+    and the step does not return as they are."""
+    kept = {t for t in graph.outputs if t is not None}
+    for op in ops:
+        kept.update(op.inputs)
+    return {leaf: rep for leaf, rep in param_of.items() if leaf not in kept}
 
 
 def _computation(graph: OpGraph, op: Op, inputs: Sequence[int], ops: Sequence[Op],
@@ -323,12 +362,13 @@ def _primary(graph: OpGraph, op: int, own: int, sources: Mapping[int, int]) -> i
 
 def _assemble(graph: OpGraph, ops: list[Op], new_id: Mapping[int, int],
               op_rep: Mapping[int, int], tensor_of: Mapping[int, int],
-              layer_of: Mapping[int, int], boundary: BoundaryUses, period: int) -> Fold:
+              layer_of: Mapping[int, int], boundary: BoundaryUses, period: int,
+              leaf_of: Mapping[int, int]) -> Fold:
     """The :class:`Fold` of the folded ops: tensors, parameters, layers and outputs rewired,
     and the tensors renumbered to those the folded graph still names (the members' results
     are gone), in their order."""
     outputs_old = tuple(None if t is None else tensor_of.get(t, t) for t in graph.outputs)
-    used = set(graph.inputs) | {p.tensor for p in graph.parameters}
+    used = (set(graph.inputs) | {p.tensor for p in graph.parameters}) - leaf_of.keys()
     used.update(t for t in outputs_old if t is not None)
     used.update(c.tensor for c in boundary.carries)
     for op in ops:
@@ -349,18 +389,21 @@ def _assemble(graph: OpGraph, ops: list[Op], new_id: Mapping[int, int],
     op_of = tuple(new_id[op_rep.get(o.id, o.id)] for o in graph.ops)
     parameters = tuple(dataclasses.replace(
         p, tensor=tid[p.tensor], readers=tuple(sorted({op_of[r] for r in p.readers})))
-        for p in graph.parameters)
+        for p in graph.parameters if p.tensor not in leaf_of)
     members: dict[int, int] = defaultdict(lambda: 1)
     for rep in layer_of.values():
         members[rep] += 1
+    dropped_paths = {p.path for p in graph.parameters if p.tensor in leaf_of}
     layers = tuple(dataclasses.replace(
-        layer, ops=tuple(new_id[o] for o in layer.ops if o not in op_rep))
+        layer, ops=tuple(new_id[o] for o in layer.ops if o not in op_rep),
+        params=tuple(path for path in layer.params if path not in dropped_paths))
         for layer in graph.layers)
     outputs = tuple(None if t is None else tid[t] for t in outputs_old)
     folded = dataclasses.replace(graph, ops=tuple(ops), tensors=tensors, parameters=parameters,
-                                 layers=layers, inputs=tuple(tid[t] for t in graph.inputs),
+                                 layers=layers,
+                                 inputs=tuple(tid[t] for t in graph.inputs if t not in leaf_of),
                                  outputs=outputs)
-    buffers = buffer_tensors(graph)
+    is_buffer = buffer_tensors(graph).__getitem__
     executions: dict[int, list[int]] = defaultdict(list)
     for o, f in enumerate(op_of):
         executions[f].append(o)
@@ -371,28 +414,34 @@ def _assemble(graph: OpGraph, ops: list[Op], new_id: Mapping[int, int],
         # Members differ only in which of their operands and results live in memory (block 0
         # reads the embedding's output fused, the others a residual sum in memory): one
         # variant per distinct charge, with the executions of its members.
-        variants: dict[tuple[int, int], list[int]] = {}
+        # Members line up (equal operand and result sizes), so which of them live in memory
+        # decides the charge: worked out once per pattern.
+        patterns: dict[tuple[tuple[bool, ...], tuple[bool, ...]], tuple[int, int]] = {}
+        variants: dict[tuple[int, int], int] = {}
         for o in executions[op.id]:
             member = graph.ops[o]
-            entry = variants.setdefault(materialized_bytes(member, graph, buffers.__getitem__),
-                                        [0])
-            entry[0] += member.count
+            pattern = (tuple(map(is_buffer, member.inputs)), tuple(map(is_buffer, member.outputs)))
+            charge = patterns.get(pattern)
+            if charge is None:
+                charge = patterns[pattern] = materialized_bytes(member, graph, is_buffer)
+            variants[charge] = variants.get(charge, 0) + member.count
         charged[op.id] = tuple(
             dataclasses.replace(op, bytes_read=read, bytes_written=written, count=count)
-            for (read, written), (count,) in variants.items())
+            for (read, written), count in variants.items())
     source_ids = tuple(sorted(new_id, key=new_id.__getitem__))
     return Fold(graph=folded, source=graph, op_of=op_of, source_ids=source_ids,
                 tensor_ids=tensor_ids, tensor_of=dict(tensor_of),
-                boundary=boundary, members=dict(members), period=period, charged=charged)
+                boundary=boundary, members=dict(members), period=period, charged=charged,
+                leaf_of=dict(leaf_of))
 
 
 def expand(fold: Fold, ip: IntraOpProblem) -> IntraOpProblem:
     """``ip`` (an intra-op problem of ``fold.graph``) on the full graph's op and tensor ids:
-    every folded member's op takes its representative's node, and a result of a folded op is
+    every folded member's op (and dropped leaf) takes its representative's node, and a result of a folded op is
     regenerated from constants where its representative's is."""
     op_of, ids = fold.op_of, fold.tensor_ids
     op_nodes = {o: ip.op_nodes[op_of[o]] for o in range(len(op_of))}
-    input_nodes = {ids[t]: n for t, n in ip.input_nodes.items()}
+    input_nodes = fold.full_inputs(ip.input_nodes)
     free_full = {ids[t] for t in ip.free_tensors}
     free = frozenset(t for t in range(len(fold.source.tensors))
                      if fold.tensor_of.get(t, t) in free_full)

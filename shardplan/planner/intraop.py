@@ -45,7 +45,7 @@ from shardplan.errors import ClusterError, ConfigError, format_error
 from shardplan.planner.fold import BoundaryUses, Fold, costed_ops, expand
 from shardplan.planner.memory import MemoryPeak, memory_cut
 from shardplan.solver import Edge, Follower, Node, Problem
-from shardplan.trace.graph import OpGraph
+from shardplan.trace.graph import OpGraph, Parameter
 
 __all__ = ["IntraOpProblem", "Use", "build_intraop_problem", "operand_uses", "tie_layers"]
 
@@ -222,18 +222,20 @@ def build_intraop_problem(
         names.append(name)
         return table[key]
 
+    weights = fold.leaf_weights if fold is not None else {}
     for p in graph.parameters:
         n = node_for(p.tensor, input_nodes, canon_in, f"in:{p.arg_index}/{p.path}",
                      lambda p=p: enumerate_strategies(_tensor_rule(p.shape), mesh))
-        local = [graph.tensors[p.tensor].nbytes / s.shards for s in strategies[n]]
+        # A leaf of the folded graph holds those of the members folded into it (planner.fold).
+        nbytes = graph.tensors[p.tensor].nbytes * weights.get(p.tensor, 1)
+        local = [nbytes / s.shards for s in strategies[n]]
         compute[n] = [c + b * INPUT_BYTE_TIEBREAK_S for c, b in zip(compute[n], local,
                                                                    strict=True)]
         # Tied parameters share a node: their bytes add up.
         memory[n] = tuple(m + b for m, b in zip(memory[n], local, strict=True))
-    for p in graph.parameters:
-        if fixed_specs and p.arg_index == 0 and p.path in fixed_specs:
-            n = input_nodes[p.tensor]
-            compute[n] = _fixed(compute[n], strategies[n], fixed_specs[p.path], p.path, mesh)
+    for p, n in _annotated(full, fold, input_nodes, fixed_specs):
+        assert fixed_specs is not None
+        compute[n] = _fixed(compute[n], strategies[n], fixed_specs[p.path], p.path, mesh)
     followers: list[Follower] = []
     for op in graph.ops:
         lead = _follow_target(graph, op, input_nodes, op_nodes, free) if follow else None
@@ -284,8 +286,7 @@ def build_intraop_problem(
     arguments = tuple(sorted(set(input_nodes.values())))
     # Memory peaks are the full graph's (its estimate's buffers and op positions).
     full_ops = op_nodes if fold is None else {o: op_nodes[f] for o, f in enumerate(fold.op_of)}
-    full_inputs = (input_nodes if fold is None
-                   else {fold.tensor_ids[t]: n for t, n in input_nodes.items()})
+    full_inputs = input_nodes if fold is None else fold.full_inputs(input_nodes)
     cuts = tuple(memory_cut(full, mesh, peak, arguments, memory, full_inputs, full_ops,
                             strategies, name=f"memory peak {k}")
                  for k, peak in enumerate(memory_peaks if memory_budget_bytes else ()))
@@ -449,6 +450,17 @@ def _derive(rule: OpRule, mesh: LogicalMesh, leader: tuple[OpStrategy, ...], j: 
                               result_specs=result_specs, partial_axes=partial,
                               shards=mesh.size(used)))
     return tuple(out)
+
+
+def _annotated(graph: OpGraph, fold: Fold | None, input_nodes: Mapping[int, int],
+               fixed_specs: Mapping[str, Spec] | None) -> list[tuple[Parameter, int]]:
+    """The state leaves of ``graph`` with a fixed spec and their nodes (a leaf ``fold``
+    dropped: its representative's)."""
+    if not fixed_specs:
+        return []
+    nodes = input_nodes if fold is None else fold.full_inputs(input_nodes)
+    return [(p, nodes[p.tensor]) for p in graph.parameters
+            if p.arg_index == 0 and p.path in fixed_specs]
 
 
 def tie_layers(graph: OpGraph, period: int) -> tuple[dict[int, int], dict[int, int]]:

@@ -232,6 +232,9 @@ class StepFacts:
       free: values regenerated from constants.
       fused: per costed op (not structural, not folded), the op charged for the bytes that
         live in memory only, its compute dtype and its class.
+      boundary, source_ids: a fold's (``build_intraop_problem``'s ``fold``), else None.
+      leaf_weights: a fold's :attr:`~shardplan.planner.fold.Fold.leaf_weights` (the leaves
+        each folded-graph leaf stands for, whose bytes it holds), else empty.
     """
 
     rules: tuple[OpRule, ...]
@@ -243,6 +246,7 @@ class StepFacts:
     fused: Mapping[int, tuple[tuple[Op, ...], str, OpClass]]
     boundary: BoundaryUses | None = None
     source_ids: tuple[int, ...] | None = None
+    leaf_weights: Mapping[int, int] = dataclasses.field(default_factory=dict)
 
 
 def step_facts(graph: OpGraph, *, tie_period: int = 1, fold: Fold | None = None) -> StepFacts:
@@ -260,7 +264,8 @@ def step_facts(graph: OpGraph, *, tie_period: int = 1, fold: Fold | None = None)
                      tie_period=tie_period, canon_op=canon_op, canon_in=canon_in,
                      free=_regenerable(graph, {p.tensor for p in graph.parameters}),
                      fused=fused, boundary=fold.boundary if fold is not None else None,
-                     source_ids=fold.source_ids if fold is not None else None)
+                     source_ids=fold.source_ids if fold is not None else None,
+                     leaf_weights=fold.leaf_weights if fold is not None else {})
 
 
 def intraop_layout(graph: OpGraph, mesh: LogicalMesh, *, tie_period: int = 1,
@@ -301,7 +306,8 @@ def intraop_layout(graph: OpGraph, mesh: LogicalMesh, *, tie_period: int = 1,
     for p in graph.parameters:
         n = node_for(p.tensor, input_nodes, canon_in, f"in:{p.arg_index}/{p.path}",
                      lambda p=p: enumerate_cached(_tensor_rule(p.shape)))
-        param_events.append((n, graph.tensors[p.tensor].nbytes))
+        param_events.append((n, graph.tensors[p.tensor].nbytes
+                             * facts.leaf_weights.get(p.tensor, 1)))
     followers: list[Follower] = []
     op_events: list[tuple[int, int]] = []  # (node, op id), in op order
     for op in graph.ops:

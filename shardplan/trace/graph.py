@@ -284,6 +284,15 @@ class OpGraph:
         return tuple(tuple(c) for c in out)
 
     @functools.cached_property
+    def fingerprinted(self) -> tuple[bool, ...]:
+        """Per op, whether it takes part in its layer's fingerprint: not constant-folded by XLA
+        (``attrs["folded"]``) and not on scalars only (see :mod:`shardplan.trace.layers`)."""
+        tensors = self.tensors
+        return tuple(not op.attrs.get("folded")
+                     and any(tensors[t].shape for t in (*op.inputs, *op.outputs))
+                     for op in self.ops)
+
+    @functools.cached_property
     def param_by_path(self) -> Mapping[str, Parameter]:
         """Parameters keyed by ``"<arg index>:<path>"`` and, for argument 0, by bare path."""
         table: dict[str, Parameter] = {}
