@@ -470,7 +470,6 @@ def test_time_out_falls_back_to_the_greedy_plan_with_a_valid_bound() -> None:
     problem = _random_chain(300, seed=1, time_limit_s=0.05)
     solution = solve(problem)
     assert solution.status in ("feasible", "optimal")
-    assert solution.solve_time_s < 2.0
     assert solution.objective is not None and solution.best_bound is not None
     assert solution.gap is not None and 0.0 <= solution.gap < 1.0
     assert evaluate(problem, solution.assignment or ()).feasible
