@@ -394,16 +394,19 @@ def assign_layers(flat: FlatGraph, phases: Sequence[str], param_tensors: dict[in
         order += missing
     rank = {u: r for r, u in enumerate(order)}
 
-    block_sources = {sources[i] for i in fwd if anchors[i] is not None}
-    glue_sources = {sources[i] for i in fwd if anchors[i] is None and glue_reads[i]}
+    # Source lines prefer a side at a stack's edge. An op without one (an index normalised by
+    # JAX itself) says nothing of the user's code: it prefers neither side, else it would tie
+    # whatever else has no source line to the blocks in one form and not in the other.
+    block_sources = {sources[i] for i in fwd if anchors[i] is not None} - {""}
+    glue_sources = {sources[i] for i in fwd if anchors[i] is None and glue_reads[i]} - {""}
     fwd_labels = _segment(flat, fwd, anchor_of, reads_glue_of, rank, order,
                           block_sources - glue_sources, glue_sources - block_sources,
                           tensor_bytes, reverse=False, notes=notes)
     for op_id, u in zip(fwd, fwd_labels, strict=True):
         op_unit[op_id] = u
     # Backward: prefer sides by the forward code each source line belongs to.
-    fwd_block_src = {sources[i] for i, u in zip(fwd, fwd_labels, strict=True) if u >= 0}
-    fwd_glue_src = {sources[i] for i, u in zip(fwd, fwd_labels, strict=True) if u < 0}
+    fwd_block_src = {sources[i] for i, u in zip(fwd, fwd_labels, strict=True) if u >= 0} - {""}
+    fwd_glue_src = {sources[i] for i, u in zip(fwd, fwd_labels, strict=True) if u < 0} - {""}
     bwd_labels = _segment(flat, bwd, anchor_of, reads_glue_of, rank, order,
                           fwd_block_src - fwd_glue_src, fwd_glue_src - fwd_block_src,
                           tensor_bytes, reverse=True, notes=notes)
