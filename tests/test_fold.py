@@ -118,17 +118,31 @@ def test_the_folded_problem_is_the_unrolled_graphs_tied_problem(name: str,
                         rel_tol=SALTIPLIER)
 
 
-def test_a_layout_of_the_folded_graph_is_the_problem_built_there(gpt4) -> None:
+def test_a_folded_layout_priced_on_another_mesh_is_the_problem_built_there(gpt4) -> None:
+    # The layer tables lay the folded graph out once per signature and price it per mesh: laid
+    # out on an A100 mesh and priced on the V100 mesh of its shape (other device figures,
+    # other links), it is the folded problem build_intraop_problem lays out there, which it
+    # gives on the full graph's ids (every member's op and dropped leaf on its
+    # representative's node).
     fold = fold_blocks(gpt4)
     assert fold is not None
     facts = step_facts(fold.graph, fold=fold)
-    for ids in (CLUSTER.groups[0].device_ids[:4], CLUSTER.groups[1].device_ids[:4]):
-        for mesh in candidate_meshes(ids, CLUSTER):
-            layout = intraop_layout(fold.graph, mesh, facts=facts)
-            got = layout.problem(mesh, CLUSTER, relative_gap=0.01)
-            want = build_intraop_problem(gpt4, mesh, CLUSTER, fold=fold, relative_gap=0.01)
-            assert got.problem == want.problem, mesh
-            assert got.strategies == want.strategies
+    a100, v100 = CLUSTER.groups[0].device_ids, CLUSTER.groups[1].device_ids
+    pairs = [pair for k in (2, 4) for pair in zip(candidate_meshes(a100[:k], CLUSTER),
+                                                  candidate_meshes(v100[:k], CLUSTER),
+                                                  strict=True)]
+    assert [(a.axis_sizes, b.axis_sizes) for a, b in pairs] == [((2,), (2,)),
+                                                                ((2, 2), (2, 2))]
+    for here, there in pairs:
+        layout = intraop_layout(fold.graph, here, facts=facts)
+        got = layout.problem(there, CLUSTER, relative_gap=0.01)
+        want = build_intraop_problem(gpt4, there, CLUSTER, fold=fold, relative_gap=0.01)
+        assert got.problem == want.problem, there
+        assert got.problem != layout.problem(here, CLUSTER, relative_gap=0.01).problem
+        assert got.strategies == want.strategies
+        assert want.op_nodes == {o: got.op_nodes[f] for o, f in enumerate(fold.op_of)}
+        assert want.input_nodes == fold.full_inputs(got.input_nodes)
+        assert len(want.input_nodes) == len(gpt4.parameters) > len(got.input_nodes)
 
 
 def test_a_fold_of_another_graph_is_refused(gpt4) -> None:

@@ -59,6 +59,7 @@ __all__ = [
     "OpClass",
     "OpTime",
     "compute_dtype",
+    "fp32_rate",
     "graph_compute_time_s",
     "op_class",
     "op_time_s",
@@ -229,7 +230,9 @@ def compute_dtype(op: Op, graph: OpGraph) -> str:
 # roofline
 
 
-def _fp32_rate(device: DeviceSpec, fallback_dtype: str) -> float:
+def fp32_rate(device: DeviceSpec, fallback_dtype: str) -> float:
+    """FLOP/s ``device`` runs transcendentals at: its fp32 rate (``fallback_dtype``'s, the
+    op's working dtype, where the spec has no fp32 figure)."""
     try:
         return device.flops_per_s("fp32")
     except ClusterError:  # an inline spec without fp32 or a fallback: its working dtype's rate
@@ -269,7 +272,7 @@ def op_time_s(
     compute_s = flops / (device.peak_flops_per_s[ran] * class_eff)
     if op.transcendentals:
         transcendentals = op.transcendentals / flops_divisor
-        compute_s += transcendentals / (_fp32_rate(device, ran) * class_eff)
+        compute_s += transcendentals / (fp32_rate(device, ran) * class_eff)
     nbytes = (op.bytes_read + op.bytes_written) / bytes_divisor
     memory_s = nbytes / (device.hbm_bandwidth_bytes_per_s * device.efficiency.memory_bound)
     bound: Bound = "compute" if compute_s >= memory_s else "memory"

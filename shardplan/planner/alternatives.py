@@ -34,8 +34,8 @@ from shardplan.cost.step import step_cost
 from shardplan.plan.explain import alternatives_record, stage_runs, starred_values
 from shardplan.plan.summary import key_pattern
 from shardplan.planner.decode import placed_analysis
-from shardplan.planner.intraop import IntraOpProblem
 from shardplan.planner.mesh import MeshChoice
+from shardplan.planner.nodes import IntraOpProblem
 from shardplan.solver import Solution
 from shardplan.solver.pipeline import PipelinePlan
 from shardplan.solver.portfolio import PipelineChoice

@@ -30,7 +30,7 @@ from shardplan.cluster import Cluster
 from shardplan.cluster.mesh import LogicalMesh
 from shardplan.cost.sharding import Spec
 from shardplan.errors import ConfigError, format_error
-from shardplan.planner.intraop import tie_layers
+from shardplan.planner.nodes import tie_layers
 from shardplan.trace.graph import OpGraph
 
 __all__ = [

@@ -4,7 +4,7 @@ the runtime pins, and the sharding analysis the predictions are made from."""
 from __future__ import annotations
 
 from shardplan.cost.sharding import ShardingAnalysis, Spec, analyze_sharding, leaf_specs
-from shardplan.planner.intraop import IntraOpProblem
+from shardplan.planner.nodes import IntraOpProblem
 from shardplan.solver import Solution
 from shardplan.trace.graph import OpGraph
 

@@ -8,7 +8,7 @@ body appears once with an execution count. :func:`fold_blocks` gives a loop grap
 Folding. The blocks of one fingerprint (:attr:`Layer.fingerprint`, Python-loop blocks only) are
 its *members*; with period ``p`` the first ``p`` members are the *representatives* and member
 ``k`` folds into representative ``k mod p`` (``p = 2`` lets identical layers alternate, as
-Megatron MLP pairs do; ``planner.intraop.tie_layers`` uses the same rule). A member folds only
+Megatron MLP pairs do; ``planner.nodes.tie_layers`` uses the same rule). A member folds only
 if its ops line up with its representative's position by position (primitive, operand and
 result shapes and dtypes; scalar-only and constant-folded ops are not compared, and stay in the
 folded graph as they are) and so do its parameters; a fingerprint with a member that does not
@@ -46,7 +46,7 @@ from shardplan.cost.memory import buffer_tensors
 from shardplan.trace.graph import Layer, Op, OpGraph, Tensor
 
 if TYPE_CHECKING:
-    from shardplan.planner.intraop import IntraOpProblem
+    from shardplan.planner.nodes import IntraOpProblem
 
 __all__ = ["BoundaryUses", "Carry", "Fold", "expand", "fold_blocks"]
 

@@ -1,21 +1,28 @@
 """An intra-op problem laid out once and priced per mesh and device type.
 
-:func:`~shardplan.planner.intraop.build_intraop_problem` decides the strategies, followers and
-edges of a traced step on a mesh and prices them in the same pass. Most of that work (op rules,
-strategy enumeration, follower derivation, the operand uses and the specs on both ends of each)
-depends only on the mesh's axis names and on which factor sizes its axes divide; the prices
-(roofline times, collective times) depend on the axis sizes, the device type and the links.
-The layer cost tables solve the same step on up to seven sub-mesh sizes of up to three device
-types, so they lay the problem out once per *layout signature* (:func:`layout_signature`) and
-price it per (mesh, device type) with numpy.
+The intra-op problem of a traced step on a mesh (:mod:`shardplan.planner.nodes`: its nodes,
+strategies, followers and operand uses) depends only on the mesh's axis names and on which
+factor sizes its axes divide; its prices (roofline times, collective times) depend on the axis
+sizes, the device type and the links. The layer cost tables solve the same step on up to seven
+sub-mesh sizes of up to three device types, so the problem is laid out once per *layout
+signature* (:func:`layout_signature`) and priced per (mesh, device type) with numpy.
 
 :class:`IntraOpLayout` is the structure; :meth:`IntraOpLayout.price` gives the costs as flat
-arrays (one entry per node strategy, one per edge strategy pair), computed with the same
-floating-point operations in the same order as ``build_intraop_problem``, so
-:meth:`IntraOpLayout.problem` equals its :class:`~shardplan.solver.Problem` exactly (tested).
-Memory budgets and memory cuts are not supported here (the layer tables solve without them).
-The layout walks the graph as ``build_intraop_problem`` does, with its helpers;
-``tests/test_layout.py`` checks that the two stay equal.
+arrays (one entry per node strategy, one per edge strategy pair) and
+:meth:`IntraOpLayout.problem` the :class:`~shardplan.solver.Problem`. This is the one builder
+of the intra-op problem: :func:`~shardplan.planner.intraop.build_intraop_problem` (the
+single-mesh planner, folded blocks) adds the memory budget and the user's annotations to it,
+and :class:`~shardplan.planner.mesh.MeshSearch` (the layer tables) prices it per mesh.
+
+Costs. A node's compute cost is its op's roofline time on the local shard (fused values cost
+no memory traffic; an input's is :data:`~shardplan.planner.nodes.INPUT_BYTE_TIEBREAK_S` per
+byte it holds); its communication cost is the all-reduce of its result when the strategy
+contracts a sharded dimension (paid once, however many ops read the result; a reduce-scatter
+into a sharded consumer is not yet priced lower). An edge per operand use carries the time of
+the collectives that turn the producer's result into the sharding the consumer's strategy
+needs (``inf`` for a value read in place that would move). An edge inside a follower group
+can only take its diagonal (both ends pick the same index), and an edge that tied layers make
+run from a node to itself likewise: both are costs of their consumer's node instead.
 """
 
 from __future__ import annotations
@@ -29,33 +36,28 @@ import numpy as np
 
 from shardplan.cluster import Cluster, DeviceSpec
 from shardplan.cluster.mesh import LogicalMesh
-from shardplan.cost.collectives import collective_time_s
+from shardplan.cost.collectives import collective_time_s, mesh_collective_time_s
 from shardplan.cost.compute import (
     OpClass,
-    _fp32_rate,
     compute_dtype,
+    fp32_rate,
     op_class,
     parameter_tensors,
     with_materialized_bytes,
 )
 from shardplan.cost.memory import buffer_tensors
 from shardplan.cost.rules import OpRule, op_rule
-from shardplan.cost.sharding import Spec, reduce_steps, reshard_steps
-from shardplan.cost.strategies import OpStrategy, enumerate_strategies
+from shardplan.cost.sharding import ReshardStep, Spec, reduce_steps, reshard_steps
+from shardplan.cost.strategies import OpStrategy
 from shardplan.errors import ClusterError, format_error
 from shardplan.planner.fold import BoundaryUses, Fold
-from shardplan.planner.intraop import (
+from shardplan.planner.nodes import (
     INPUT_BYTE_TIEBREAK_S,
     IntraOpProblem,
     Use,
-    _CommTimes,
-    _derive,
-    _follow_target,
-    _optimizer_followers,
-    _regenerable,
-    _root,
-    _tensor_rule,
     operand_uses,
+    problem_nodes,
+    regenerable,
     tie_layers,
 )
 from shardplan.solver import Edge, Follower, Node, Problem
@@ -64,8 +66,9 @@ from shardplan.trace.graph import Op, OpGraph
 __all__ = ["IntraOpCosts", "IntraOpLayout", "MeshCollectives", "RooflineTable", "StepFacts",
            "factor_sizes_of", "intraop_layout", "layout_signature", "step_facts"]
 
-# (Past 600 lines: the layout walk mirrors build_intraop_problem step by step, and its numpy
-# pricing reuses the walk's node and edge bookkeeping; tests/test_layout.py keeps them equal.)
+# (Past 600 lines: the layout and its pricing recipe (_Recipe, built from the layout's node
+# and edge bookkeeping) are one unit; the two vectorised price tables it uses, MeshCollectives
+# and RooflineTable, which layer_costs imports from here too, are the next module to split.)
 
 
 def layout_signature(graph: OpGraph, mesh: LogicalMesh, *,
@@ -191,9 +194,13 @@ class IntraOpLayout:
 
     def problem(self, mesh: LogicalMesh, cluster: Cluster, *, costs: IntraOpCosts | None = None,
                 time_limit_s: float = 30.0, relative_gap: float = 0.0) -> IntraOpProblem:
-        """The :class:`IntraOpProblem` on ``mesh``: equal to ``build_intraop_problem(graph,
-        mesh, cluster, ...)`` with the layout's ``tie_period`` and ``follow`` and no memory
-        budget."""
+        """The :class:`~shardplan.planner.nodes.IntraOpProblem` on ``mesh`` (same signature),
+        without a memory budget or annotations (``build_intraop_problem`` adds those).
+
+        Raises:
+          ClusterError: the mesh spans several device types.
+          ValueError: ``mesh`` does not have this layout's signature.
+        """
         costs = costs if costs is not None else self.price(mesh, cluster)
         compute, comm, memory = (a.tolist() for a in (costs.compute, costs.communication,
                                                       costs.memory))
@@ -228,7 +235,7 @@ class StepFacts:
       rules: per op, ``op_rule``.
       factor_sizes: :func:`factor_sizes_of` the graph.
       tie_period: the layer-tying period the canonical maps are for.
-      canon_op, canon_in: :func:`~shardplan.planner.intraop.tie_layers`.
+      canon_op, canon_in: :func:`~shardplan.planner.nodes.tie_layers`.
       free: values regenerated from constants.
       fused: per costed op (not structural, not folded), the op charged for the bytes that
         live in memory only, its compute dtype and its class.
@@ -262,7 +269,7 @@ def step_facts(graph: OpGraph, *, tie_period: int = 1, fold: Fold | None = None)
              for op in graph.ops if not (op.structural or op.attrs.get("folded"))}
     return StepFacts(rules=rules, factor_sizes=factor_sizes_of(graph, rules),
                      tie_period=tie_period, canon_op=canon_op, canon_in=canon_in,
-                     free=_regenerable(graph, {p.tensor for p in graph.parameters}),
+                     free=regenerable(graph, {p.tensor for p in graph.parameters}),
                      fused=fused, boundary=fold.boundary if fold is not None else None,
                      source_ids=fold.source_ids if fold is not None else None,
                      leaf_weights=fold.leaf_weights if fold is not None else {})
@@ -271,76 +278,38 @@ def step_facts(graph: OpGraph, *, tie_period: int = 1, fold: Fold | None = None)
 def intraop_layout(graph: OpGraph, mesh: LogicalMesh, *, tie_period: int = 1,
                    follow: bool = True, facts: StepFacts | None = None) -> IntraOpLayout:
     """Lays out the intra-op problem of ``graph`` on ``mesh`` (and every mesh with the same
-    :func:`layout_signature`); the arguments are those of ``build_intraop_problem``
-    (``facts``: the step's :class:`StepFacts` for ``tie_period``, if already known)."""
+    :func:`layout_signature`).
+
+    Args:
+      graph: the traced step (with a fold: ``fold.graph``, and ``facts`` of the fold).
+      mesh: the mesh it is laid out on.
+      tie_period: :func:`~shardplan.planner.nodes.tie_layers`'s period (0 ties nothing).
+      follow: whether ops follow the producer of an operand
+        (:func:`~shardplan.planner.nodes.follow_target`).
+      facts: the step's :class:`StepFacts` for ``tie_period``, if already known.
+    """
     if facts is None or facts.tie_period != tie_period:
         facts = step_facts(graph, tie_period=tie_period)
-    rules, free = facts.rules, facts.free
-    canon_op, canon_in = facts.canon_op, facts.canon_in
-    follow_cache: dict = {}
-    enumerated: dict[OpRule, tuple[OpStrategy, ...]] = {}
-
-    def enumerate_cached(rule: OpRule) -> tuple[OpStrategy, ...]:
-        """``enumerate_strategies`` on ``mesh``: ops of the same rule have the same ones."""
-        if rule not in enumerated:
-            enumerated[rule] = enumerate_strategies(rule, mesh)
-        return enumerated[rule]
-
-    strategies: list[tuple[OpStrategy, ...]] = []
-    names: list[str] = []
-    input_nodes: dict[int, int] = {}
-    op_nodes: dict[int, int] = {}
-
-    def node_for(key: int, table: dict[int, int], canon: Mapping[int, int], name: str,
-                 strats_of) -> int:
-        target = canon.get(key)
-        if target is not None and target in table:
-            table[key] = table[target]
-            return table[key]
-        table[key] = len(strategies)
-        strategies.append(strats_of())
-        names.append(name)
-        return table[key]
-
-    param_events: list[tuple[int, int]] = []  # (node, tensor bytes), in parameter order
-    for p in graph.parameters:
-        n = node_for(p.tensor, input_nodes, canon_in, f"in:{p.arg_index}/{p.path}",
-                     lambda p=p: enumerate_cached(_tensor_rule(p.shape)))
-        param_events.append((n, graph.tensors[p.tensor].nbytes
-                             * facts.leaf_weights.get(p.tensor, 1)))
-    followers: list[Follower] = []
-    op_events: list[tuple[int, int]] = []  # (node, op id), in op order
-    for op in graph.ops:
-        lead = _follow_target(graph, op, input_nodes, op_nodes, free) if follow else None
-        if lead is not None and op.id not in canon_op:
-            leader, j, position = lead
-            # intraop._follow_strategies, with the rule already at hand.
-            rule = rules[op.id]
-            key = (rule, position, tuple(s.result_specs[j] for s in strategies[leader]))
-            if key not in follow_cache:
-                follow_cache[key] = _derive(rule, mesh, strategies[leader], j, position)
-            derived = follow_cache[key]
-        else:
-            derived = None
-        label = facts.source_ids[op.id] if facts.source_ids is not None else op.id
-        n = node_for(op.id, op_nodes, canon_op, f"op:{label}:{op.primitive}",
-                     (lambda d=derived: d) if derived is not None else
-                     (lambda op=op: enumerate_cached(rules[op.id])))
-        if derived is not None and lead is not None and op_nodes[op.id] == len(strategies) - 1:
-            followers.append(Follower(node=n, leader=lead[0]))
-        op_events.append((n, op.id))
-    root = {f.node: f.leader for f in followers}
-    followers += _optimizer_followers(graph, input_nodes, strategies)
+    nodes = problem_nodes(graph, mesh, rules=facts.rules, canon_op=facts.canon_op,
+                          canon_in=facts.canon_in, free=facts.free, follow=follow,
+                          source_ids=facts.source_ids)
+    input_nodes, op_nodes = nodes.input_nodes, nodes.op_nodes
+    # (node, bytes it holds) per parameter, (node, op id) per op: the order costs add up in.
+    param_events = [(input_nodes[p.tensor],
+                     graph.tensors[p.tensor].nbytes * facts.leaf_weights.get(p.tensor, 1))
+                    for p in graph.parameters]
+    op_events = [(op_nodes[op.id], op.id) for op in graph.ops]
+    strategies = list(nodes.strategies)
     base = np.concatenate([[0], np.cumsum([len(s) for s in strategies])]).astype(np.int64)
     recipe = _Recipe(graph, strategies, base, facts, param_events, op_events,
-                     operand_uses(graph, input_nodes, op_nodes, free, facts.boundary),
-                     lambda n: _root(root, n))
+                     operand_uses(graph, input_nodes, op_nodes, facts.free, facts.boundary),
+                     nodes.group_of)
     sizes = facts.factor_sizes
     return IntraOpLayout(graph=graph,
                          signature=layout_signature(graph, mesh, factor_sizes=sizes),
-                         names=tuple(names), strategies=tuple(strategies),
-                         input_nodes=input_nodes, op_nodes=op_nodes, free_tensors=free,
-                         followers=tuple(followers), base=base, edges=recipe.kept,
+                         names=nodes.names, strategies=nodes.strategies,
+                         input_nodes=input_nodes, op_nodes=op_nodes, free_tensors=facts.free,
+                         followers=nodes.followers, base=base, edges=recipe.kept,
                          factor_sizes=sizes, _recipe=recipe)
 
 
@@ -359,12 +328,12 @@ class _Keys:
         return i
 
 
-class MeshCollectives(_CommTimes):
-    """``intraop._CommTimes`` (collective times on one mesh, memoised) that times a collective
-    over mesh axes on one group of each class of alike groups instead of on every group.
-    ``mesh_collective_time_s`` takes the slowest group; groups of one device group with the
-    same size and the same spread over nodes take the same links and the same steps, so they
-    time alike to the bit and the maximum is unchanged.
+class MeshCollectives:
+    """Collective times on one mesh, memoised (the same (kind, axes, bytes) recurs across
+    thousands of edge matrix entries), each timed on one group of each class of alike groups
+    instead of on every group. ``mesh_collective_time_s`` takes the slowest group; groups of
+    one device group with the same size and the same spread over nodes take the same links and
+    the same steps, so they time alike to the bit and the maximum is unchanged (tested).
 
     Args:
       mesh: the mesh.
@@ -375,25 +344,45 @@ class MeshCollectives(_CommTimes):
 
     def __init__(self, mesh: LogicalMesh, cluster: Cluster,
                  shared: dict[tuple, float] | None = None) -> None:
-        super().__init__(mesh, cluster)
+        self.mesh = mesh
+        self.cluster = cluster
+        self._collective: dict[tuple[str, tuple[str, ...], float], float] = {}
+        self._steps: dict[tuple[tuple[ReshardStep, ...], int], float] = {}
         self._groups: dict[tuple[str, ...], list[tuple[tuple, tuple[int, ...]]]] = {}
         # Times per (kind, bytes, class of group), valid for any mesh of this cluster.
         self._shared = shared if shared is not None else {}
 
     def collective(self, kind: str, axes: tuple[str, ...], nbytes: float) -> float:
+        """``mesh_collective_time_s(kind, nbytes, mesh, axes, cluster)``."""
         key = (kind, axes, nbytes)
         t = self._collective.get(key)
         if t is None:
             if kind == "collective-permute":  # its hops depend on the order, not the spread
-                return super().collective(kind, axes, nbytes)
-            times = []
-            for alike, g in self._representatives(axes):
-                shared_key = (kind, nbytes, alike)
-                if shared_key not in self._shared:
-                    self._shared[shared_key] = collective_time_s(
-                        kind, nbytes, g, self.cluster)  # type: ignore[arg-type]
-                times.append(self._shared[shared_key])
-            t = self._collective[key] = max(times)
+                t = mesh_collective_time_s(kind, nbytes, self.mesh, axes,  # type: ignore[arg-type]
+                                           self.cluster)
+            else:
+                times = []
+                for alike, g in self._representatives(axes):
+                    shared_key = (kind, nbytes, alike)
+                    if shared_key not in self._shared:
+                        self._shared[shared_key] = collective_time_s(
+                            kind, nbytes, g, self.cluster)  # type: ignore[arg-type]
+                    times.append(self._shared[shared_key])
+                t = max(times)
+            self._collective[key] = t
+        return t
+
+    def steps(self, steps: tuple[ReshardStep, ...], nbytes: int) -> float:
+        """The time of the collectives ``steps`` on a tensor of ``nbytes`` (each step's bytes
+        per device: its result's shard)."""
+        key = (steps, nbytes)
+        t = self._steps.get(key)
+        if t is None:
+            t = 0.0
+            for step in steps:
+                shards = math.prod(self.mesh.size(axes) for axes in step.result_spec if axes)
+                t += self.collective(step.kind, step.axes, nbytes / shards)
+            self._steps[key] = t
         return t
 
     def _representatives(self, axes: tuple[str, ...]) -> list[tuple[tuple, tuple[int, ...]]]:
@@ -449,7 +438,7 @@ class _Reshards:
 
 
 class _Recipe:
-    """How to price a layout: every cost of ``build_intraop_problem`` as an array of keys
+    """How to price a layout: every cost of the problem as an array of keys
     (a roofline, a collective sequence, a resharding) and the order they add up in."""
 
     def __init__(self, graph: OpGraph, strategies: list[tuple[OpStrategy, ...]],
@@ -668,7 +657,7 @@ class RooflineTable:
                 class_eff = getattr(device.efficiency, kind)
                 rate[i] = device.peak_flops_per_s[ran] * class_eff
                 if op.transcendentals:
-                    trans_rate[i] = _fp32_rate(device, ran) * class_eff
+                    trans_rate[i] = fp32_rate(device, ran) * class_eff
             bandwidth = device.hbm_bandwidth_bytes_per_s * device.efficiency.memory_bound
             self._rates[device.name] = (rate, trans_rate, bandwidth)
         return self._rates[device.name]

@@ -36,7 +36,7 @@ from shardplan.cluster import Cluster
 from shardplan.cluster.mesh import LogicalMesh
 from shardplan.errors import InfeasibleError, format_error
 from shardplan.planner.fold import Fold
-from shardplan.planner.intraop import IntraOpProblem, build_intraop_problem
+from shardplan.planner.intraop import build_intraop_problem
 from shardplan.planner.layout import (
     IntraOpCosts,
     IntraOpLayout,
@@ -44,6 +44,7 @@ from shardplan.planner.layout import (
     layout_signature,
     step_facts,
 )
+from shardplan.planner.nodes import IntraOpProblem
 from shardplan.solver import Solution, solve
 from shardplan.solver.family import ProblemFamily
 from shardplan.trace.graph import OpGraph

@@ -38,9 +38,9 @@ from shardplan.planner.annotations import (
 from shardplan.planner.config import PlanConfig
 from shardplan.planner.decode import decode_constraints, decode_input_specs, placed_analysis
 from shardplan.planner.fold import fold_blocks
-from shardplan.planner.intraop import IntraOpProblem, tie_layers
 from shardplan.planner.memory import MemoryPeak, check_state_fits, memory_peaks
 from shardplan.planner.mesh import MeshChoice, best_mesh, coarser_meshes
+from shardplan.planner.nodes import IntraOpProblem, tie_layers
 from shardplan.planner.stamp import stamped
 from shardplan.solver import Solution
 from shardplan.trace import trace
