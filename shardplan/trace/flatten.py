@@ -38,6 +38,10 @@ from shardplan.trace.flops import (
 )
 from shardplan.trace.graph import OpDraft
 
+# (Past 600 lines: the walk over nested jaxprs and its per-equation fast path (_plain, the
+# same op add_op builds, written out for the 10^5 equations of a large model) share the
+# builder's tensor and signature tables.)
+
 __all__ = ["FlatGraph", "call_like_jaxpr", "flatten_jaxpr"]
 
 _CALL_LIKE_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")

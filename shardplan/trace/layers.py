@@ -33,6 +33,9 @@ from collections.abc import Sequence
 
 from shardplan.trace.flatten import FlatGraph
 
+# (Past 600 lines: finding stacks, cutting the op sequence into units and labelling the update
+# by leaf are one algorithm over one assignment; the parts share its private state.)
+
 __all__ = ["LayerAssignment", "Stack", "Unit", "assign_layers", "find_stacks", "fingerprint",
            "fingerprint_reprs"]
 
