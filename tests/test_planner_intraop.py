@@ -168,9 +168,14 @@ def test_two_node_topology_gets_data_parallel_across_nodes_tensor_parallel_insid
     assert choice.mesh.axis_names == ("outer", "inner") and choice.mesh.axis_sizes == (2, 2)
     assert choice.mesh.groups(("inner",)) == ((0, 1), (2, 3))  # inner axis = one node
     specs = decode_input_specs(choice.problem, choice.solution)
-    # Tensor parallel inside a node: every kernel split on "inner" only (column or row).
+    # Tensor parallel only inside a node: no kernel is split on "outer", and some are split
+    # on "inner" (column or row). With one start-up per collective call
+    # (shardplan.cost.collectives) the cheapest plan leaves some layers replicated (15.1367 ms
+    # against 15.1513 ms for splitting every kernel on "inner"): which ones is a 0.1 % call.
+    column, row, replicated = ((), ("inner",)), (("inner",), ()), ((), ())
     kernels = [specs[p.tensor] for p in _kernels(graph)]
-    assert all(k in (((), ("inner",)), (("inner",), ())) for k in kernels), kernels
+    assert all(k in (column, row, replicated) for k in kernels), kernels
+    assert any(k in (column, row) for k in kernels), kernels
     # Data parallel across nodes: the batch split on "outer".
     assert [specs[p.tensor] for p in graph.parameters if p.arg_index == 1] == [(("outer",), ())]
 

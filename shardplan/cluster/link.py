@@ -29,7 +29,9 @@ class Link:
     Attributes:
       bandwidth_bytes_per_s: bytes per second per direction per device (YAML: ``bandwidth_GB_s``,
         10^9 bytes/s). For a node with one 200 Gb/s NIC per GPU this is 25e9.
-      latency_s: the per-message start-up time α of the α-β model (YAML: ``latency_us``).
+      latency_s: the latency α of one message over the link, i.e. of one step of a ring
+        collective (YAML: ``latency_us``). A collective call also pays a start-up of a few
+        such latencies (:mod:`shardplan.cost.collectives`, ``STARTUP_STEPS``).
     """
 
     bandwidth_bytes_per_s: float

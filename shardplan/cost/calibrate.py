@@ -12,9 +12,10 @@ devices jax sees:
   ``efficiency.memory_bound`` = achieved / ``hbm_bandwidth_bytes_per_s``.
 * **collectives** (with ≥ 2 devices of the type): ``psum`` at two message sizes and an
   ``all_gather`` through ``jax.shard_map`` over a 1-D mesh of those devices. The ring model
-  ``t = 2(n−1)·α + 2(n−1)/n · B/bw`` (see :mod:`shardplan.cost.collectives`) is solved for α and
-  bw from the two sizes; ``efficiency.collective`` = fitted bw / the catalog's nominal
-  ``intra_node_link`` bandwidth, and the link's latency becomes the fitted α.
+  with its start-up, ``t = (4 + 2(n−1))·α + 2(n−1)/n · B/bw`` (α0 = 4·α, see
+  :mod:`shardplan.cost.collectives`), is solved for α and bw from the two sizes;
+  ``efficiency.collective`` = fitted bw / the catalog's nominal ``intra_node_link``
+  bandwidth, and the link's latency becomes the fitted per-step α.
 
 Each benchmark is the median of ``repeats`` timed runs after ``warmup`` runs, every run ended
 by ``block_until_ready``. Efficiencies are clipped to (0, 1] (a figure above 1 means the
@@ -44,6 +45,7 @@ import yaml
 
 from shardplan.cluster import Cluster, DeviceSpec, Efficiency, Link, load_device
 from shardplan.cluster.catalog import DEVICE_KEYS
+from shardplan.cost.collectives import STARTUP_STEPS
 from shardplan.errors import ClusterError, format_error
 
 __all__ = [
@@ -176,11 +178,14 @@ def median_time_s(fn: Callable[..., Any], *args: Any, repeats: int, warmup: int)
 def fit_ring_link(
     n: int, small_bytes: float, small_s: float, large_bytes: float, large_s: float
 ) -> Link:
-    """Solves the ring all-reduce model ``t = 2(n−1)·α + 2(n−1)/n · B/bw`` for α and bw.
+    """Solves the ring all-reduce model ``t = α0 + 2(n−1)·α + 2(n−1)/n · B/bw`` for α and bw.
 
-    Two measurements (B₁, t₁), (B₂, t₂) give the slope ``2(n−1)/(n·bw) = (t₂−t₁)/(B₂−B₁)`` and
-    then α from the small one. When noise makes the slope non-positive, bw comes from the large
-    message alone (α taken as 0 there) and α from the small one. α is clipped at 0.
+    The start-up is α0 = ``STARTUP_STEPS``·α (:func:`~shardplan.cost.collectives.startup_s`),
+    so the latency part is ``(4 + 2(n−1))·α``: the one group size measured cannot tell α0 and
+    α apart, and the fit keeps their ratio fixed. Two measurements (B₁, t₁), (B₂, t₂) give the
+    slope ``2(n−1)/(n·bw) = (t₂−t₁)/(B₂−B₁)`` and then α from the small one. When noise makes
+    the slope non-positive, bw comes from the large message alone (α taken as 0 there) and α
+    from the small one. α is clipped at 0.
 
     Args:
       n: devices in the ring (≥ 2).
@@ -190,19 +195,21 @@ def fit_ring_link(
       large_s: t₂.
 
     Returns:
-      The fitted link: bandwidth per direction per device, latency α.
+      The fitted link: bandwidth per direction per device, per-step latency α.
 
     Example:
-        >>> ring_s = lambda b: 2 * 7 * 2e-6 + 2 * 7 / 8 * b / 300e9  # 8 devices, 300 GB/s, 2 µs
+        >>> from shardplan.cost.collectives import ring_all_reduce_s
+        >>> ring_s = lambda b: ring_all_reduce_s(8, b, Link(300e9, 2e-6))  # (4 + 14)·2 µs + ...
         >>> link = fit_ring_link(8, 1e6, ring_s(1e6), 1e9, ring_s(1e9))
         >>> round(link.bandwidth_bytes_per_s / 1e9, 3), round(link.latency_s * 1e6, 3)
         (300.0, 2.0)
     """
     steps = 2 * (n - 1)
+    latencies = STARTUP_STEPS + steps  # α0 + 2(n−1)·α, in α
     bytes_factor = steps / n  # 2(n−1)/n
     slope = (large_s - small_s) / (large_bytes - small_bytes)
     bandwidth = bytes_factor / slope if slope > 0 else bytes_factor * large_bytes / large_s
-    latency = (small_s - bytes_factor * small_bytes / bandwidth) / steps
+    latency = (small_s - bytes_factor * small_bytes / bandwidth) / latencies
     return Link(bandwidth, max(latency, 0.0))
 
 
@@ -472,7 +479,8 @@ def _collective_fit(
             f"(all_gather busbw {gather.rate / 1e9:.4g} GB/s)"
         ),
         "intra_node_link.latency_us": stamp.source(
-            f"{how}: alpha = {fitted.latency_s * 1e6:.4g} us"
+            f"{how}: per-step alpha = {fitted.latency_s * 1e6:.4g} us "
+            f"(start-up {STARTUP_STEPS} alpha per call)"
         ),
     }
     if spec.intra_node_link is None:

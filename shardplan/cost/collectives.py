@@ -1,8 +1,9 @@
-"""Collective communication times: the α-β ring model on a cluster's real links.
+"""Collective communication times: the α-β ring model with a per-call start-up, on a cluster's
+real links.
 
 All functions are pure (no jax), in seconds and bytes. A link is a
-:class:`~shardplan.cluster.Link`: ``bandwidth_bytes_per_s`` per direction per device and the
-per-message start-up time ``latency_s`` (α).
+:class:`~shardplan.cluster.Link`: ``bandwidth_bytes_per_s`` per direction per device and
+``latency_s``, the latency α of one message over it (one step of a ring).
 
 **What B is.** The ring functions take ``nbytes`` = B, the size of the *full* buffer on one
 device, unsharded along the collective's axes:
@@ -17,15 +18,38 @@ all-to-all         the per-device buffer (input = output)       B
 collective-permute the buffer sent (= received)                 B
 =================  ===========================================  ==============================
 
+**Start-up.** Every collective call first pays a fixed start-up α0 (kernel launch and the
+synchronisation of the participants; on XLA:CPU the rendezvous of the device threads) that
+does not grow with n, then its steps. This is NCCL's own tuning model (NVIDIA/nccl
+``src/graph/tuning.cc``, ``ncclTopoTuneModel``): ``latency = baseLat + nsteps·hwLat``, with a
+base latency per algorithm and protocol independent of the hardware (ring: LL 6.6, LL128 14,
+Simple 8.4 µs) and a per-step latency per link type (ring LL / LL128 / Simple: NVLink 0.6 /
+1.9 / 3.4, PCIe 1.0 / 2.5 / 5.7, network 2.7 / 4.0 / 14 µs). A link's ``latency_s`` keeps its
+meaning, the per-step α (the catalog's 2 µs NVLink and 5 µs InfiniBand steps lie between
+NCCL's LL128 and Simple figures), and the start-up is :data:`STARTUP_STEPS` of them,
+``α0 = 4·α``: NCCL's base over step latency is 11 / 7.4 / 2.5 on NVLink, 6.6 / 5.6 / 1.5 on
+PCIe, 2.4 / 3.5 / 0.6 on the network, so 4 is its middle; on the catalog's 2 µs NVLink step
+α0 = 8 µs (NCCL ring: 6.6-8.4 µs), on a 5 µs NIC 20 µs, on 25 µs TCP 100 µs, and on the
+emulated CPU devices (10 µs) 40 µs, which makes a 4-device all-reduce of 32 KiB 1.65x a
+2-device one (measured on XLA:CPU: 1.6-2.1x; the per-step model alone said 2.63x). Without
+it ten 2-device all-reduces looked cheaper than five 4-device ones of twice the bytes
+(20α < 30α), though they take twice the calls. A call is one start-up, whatever it spans:
+XLA issues one NCCL call (or one XLA:CPU rendezvous) per collective instruction (after its
+combiner passes have merged some), and NCCL runs a multi-node ring or tree inside that one
+call (tuning.cc adds one ``baseLat`` and splits only the steps into intra- and inter-node
+ones), so a hierarchical collective pays one start-up, on the slowest link it uses (every
+participant must have started). The bandwidth terms are unchanged, so the large-message
+limit is the plain ring's.
+
 **Flat ring** over n devices (Thakur, Rabenseifner & Gropp, "Optimization of Collective
 Communication Operations in MPICH", IJHPCA 2005, §4; Patarasuk & Yuan, "Bandwidth optimal
-all-reduce algorithms for clusters of workstations", JPDC 2009)::
+all-reduce algorithms for clusters of workstations", JPDC 2009), α0 = 4·α::
 
-    all-reduce           2(n−1)·α + 2(n−1)/n · B/bw
-    all-gather           (n−1)·α + (n−1)/n · B/bw
-    reduce-scatter       (n−1)·α + (n−1)/n · B/bw
-    all-to-all           (n−1)·α + (n−1)/n · B/bw      (pairwise exchange, B per device)
-    send/recv            α + B/bw
+    all-reduce           α0 + 2(n−1)·α + 2(n−1)/n · B/bw
+    all-gather           α0 + (n−1)·α + (n−1)/n · B/bw
+    reduce-scatter       α0 + (n−1)·α + (n−1)/n · B/bw
+    all-to-all           α0 + (n−1)·α + (n−1)/n · B/bw      (pairwise exchange, B per device)
+    send/recv            α0 + α + B/bw                      (one message)
     n == 1               0
 
 **Hierarchical** (a group of one device type spanning k nodes with m participants per node,
@@ -33,36 +57,39 @@ n = k·m; the two-level decomposition of BlueConnect, Cho et al., SysML 2019, §
 Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE``; NCCL's multi-node rings have the same bandwidth
 term because every byte crossing nodes is first reduced inside the node). Intra-node steps use
 the node link (i), the cross-node step the per-device NIC link (e), all m NICs of a node in
-parallel, each carrying the 1/m shard its device owns::
+parallel, each carrying the 1/m shard its device owns; the one start-up
+α0 = 4·max(α_i, α_e) of the call comes first (4·α_i when k = 1, 4·α_e when m = 1)::
 
-    reduce-scatter  RS_i(m, B)      then RS_e(k, B/m)
-        = (m−1)·α_i + (m−1)/m · B/bw_i  +  (k−1)·α_e + (k−1)/k · (B/m)/bw_e
-    all-gather      AG_e(k, B/m)    then AG_i(m, B)          (same total as reduce-scatter)
-    all-reduce      RS_i(m, B) + AR_e(k, B/m) + AG_i(m, B)
-        = 2(m−1)·α_i + 2(m−1)/m · B/bw_i  +  2(k−1)·α_e + 2(k−1)/k · (B/m)/bw_e
+    reduce-scatter  α0 + RS_i(m, B)      then RS_e(k, B/m)
+        = α0 + (m−1)·α_i + (m−1)/m · B/bw_i  +  (k−1)·α_e + (k−1)/k · (B/m)/bw_e
+    all-gather      α0 + AG_e(k, B/m)    then AG_i(m, B)          (same total)
+    all-reduce      α0 + RS_i(m, B) + AR_e(k, B/m) + AG_i(m, B)
+        = α0 + 2(m−1)·α_i + 2(m−1)/m · B/bw_i  +  2(k−1)·α_e + 2(k−1)/k · (B/m)/bw_e
     all-to-all      each device sends B/n to every other device: m−1 messages in the node,
                     n−m across nodes, the two parts summed (an upper bound: they may overlap)
-        = (m−1)·α_i + (m−1)/n · B/bw_i  +  (n−m)·α_e + (k−1)/k · B/bw_e
+        = α0 + (m−1)·α_i + (m−1)/n · B/bw_i  +  (n−m)·α_e + (k−1)/k · B/bw_e
 
-so hierarchical all-reduce = hierarchical reduce-scatter + all-gather, and with equal links
-every formula reduces to the flat ring's bandwidth term. With uneven participants per node
-the bound takes the largest per-node count for the intra-node steps and the smallest for the
-shard size across nodes.
+so hierarchical all-reduce = hierarchical reduce-scatter + all-gather − one start-up (one
+call, not two), and with equal links every formula is the flat ring's. With uneven
+participants per node the bound takes the largest per-node count for the intra-node steps
+and the smallest for the shard size across nodes.
 
 **Across device groups** (types) there is no hierarchy to exploit: the collective is a flat
 ring over all n devices in id order (NCCL lays rings out node by node, so contiguous ids
-share a node), and a pipelined ring runs at the pace of its slowest hop: the ring is costed on
-the *bottleneck link* — the lowest bandwidth and the highest latency of its hops
-(``Cluster.link_between``).
+share a node), and a pipelined ring runs at the pace of its slowest hop: the ring, start-up
+included, is costed on the *bottleneck link* — the lowest bandwidth and the highest latency
+of its hops (``Cluster.link_between``). A collective-permute (a pipeline send) is one call
+per hop, ``α0 + α + B/bw`` on that hop's link; the slowest hop bounds it.
 
 **Efficiency.** :func:`collective_time_s` derates each link's bandwidth by the smallest
 ``efficiency.collective`` of the device types in the group (achieved NCCL bus bandwidth over
-nominal link bandwidth); the ring functions take the link as given.
+nominal link bandwidth); latencies and start-ups are not derated. The ring functions take
+the link as given.
 
 Example:
     >>> from shardplan.cluster import Link
     >>> round(ring_all_reduce_s(8, 2**30, Link(300e9, 2e-6)) * 1e3, 4)  # 8 GPUs, 1 GiB, ms
-    6.2915
+    6.2995
 """
 
 from __future__ import annotations
@@ -75,6 +102,7 @@ from shardplan.errors import ClusterError, format_error
 
 __all__ = [
     "COLLECTIVE_KINDS",
+    "STARTUP_STEPS",
     "CollectiveKind",
     "LinkLevel",
     "all_to_all_s",
@@ -91,6 +119,7 @@ __all__ = [
     "ring_all_reduce_s",
     "ring_reduce_scatter_s",
     "send_recv_s",
+    "startup_s",
 ]
 
 CollectiveKind = Literal[
@@ -112,6 +141,15 @@ several device groups."""
 
 _LEVEL_RANK: dict[LinkLevel, int] = {"intra_node": 0, "inter_node": 1, "between_groups": 2}
 
+STARTUP_STEPS = 4
+"""The start-up α0 of one collective call, in per-step latencies α of its link: α0 = 4·α.
+
+NCCL's ring base latency over its per-step latency (``baseLat / hwLat`` in NVIDIA/nccl
+``src/graph/tuning.cc``) is 11 / 7.4 / 2.5 (LL / LL128 / Simple) on NVLink, 6.6 / 5.6 / 1.5
+on PCIe and 2.4 / 3.5 / 0.6 on the network; 4 is the middle of that range, gives the
+catalog's 2 µs NVLink step NCCL's 8 µs ring start-up, and makes a 4-device XLA:CPU
+all-reduce 1.6-1.7x a 2-device one, as measured (module docstring)."""
+
 
 # --------------------------------------------------------------------------------------------
 # flat ring (B convention)
@@ -129,34 +167,52 @@ def _check(n: int, nbytes: float) -> None:
         )
 
 
-def _ring_steps_s(steps: int, n: int, nbytes: float, link: Link) -> float:
-    """``steps`` ring passes: ``steps·(n−1)·α + steps·(n−1)/n · B/bw``; 0 when ``n == 1``."""
+def startup_s(link: Link) -> float:
+    """The start-up α0 of one collective call on ``link``: ``STARTUP_STEPS · α``.
+
+    Example:
+        >>> startup_s(Link(300e9, 2e-6)) * 1e6  # NVLink, 2 µs per step: 8 µs (NCCL: 6.6-8.4)
+        8.0
+    """
+    return STARTUP_STEPS * link.latency_s
+
+
+def _ring_pass_s(steps: int, n: int, nbytes: float, link: Link) -> float:
+    """``steps`` ring passes without the start-up: ``steps·(n−1)·α + steps·(n−1)/n · B/bw``;
+    0 when ``n == 1``. One level of a hierarchical collective, or the body of a flat one."""
     _check(n, nbytes)
     if n == 1:
         return 0.0
     return steps * (n - 1) * (link.latency_s + nbytes / (n * link.bandwidth_bytes_per_s))
 
 
+def _flat_s(steps: int, n: int, nbytes: float, link: Link) -> float:
+    """One call of ``steps`` ring passes: ``α0 + steps·(n−1)·α + steps·(n−1)/n · B/bw``."""
+    body_s = _ring_pass_s(steps, n, nbytes, link)
+    return 0.0 if n == 1 else startup_s(link) + body_s
+
+
 def ring_all_reduce_s(n: int, nbytes: float, link: Link) -> float:
-    """Ring all-reduce time: ``2(n−1)·α + 2(n−1)/n · B/bw`` (Thakur et al. 2005, §4.5).
+    """Ring all-reduce time: ``α0 + 2(n−1)·α + 2(n−1)/n · B/bw`` (Thakur et al. 2005, §4.5;
+    the start-up α0 = :func:`startup_s`, NCCL tuning.cc).
 
     Args:
       n: devices in the ring.
       nbytes: B, the buffer size on each device (input = output).
-      link: the ring's link (per-direction bandwidth per device, latency α).
+      link: the ring's link (per-direction bandwidth per device, per-step latency α).
 
     Returns:
       Seconds; 0 for ``n == 1``.
 
     Example:
-        >>> round(ring_all_reduce_s(8, 2**30, Link(300e9, 2e-6)) * 1e3, 4)
-        6.2915
+        >>> round(ring_all_reduce_s(8, 2**30, Link(300e9, 2e-6)) * 1e3, 4)  # 8 + 28 µs + 6.2635 ms
+        6.2995
     """
-    return _ring_steps_s(2, n, nbytes, link)
+    return _flat_s(2, n, nbytes, link)
 
 
 def ring_all_gather_s(n: int, nbytes: float, link: Link) -> float:
-    """Ring all-gather time: ``(n−1)·α + (n−1)/n · B/bw`` (Thakur et al. 2005, §4.1).
+    """Ring all-gather time: ``α0 + (n−1)·α + (n−1)/n · B/bw`` (Thakur et al. 2005, §4.1).
 
     Args:
       n: devices in the ring.
@@ -166,11 +222,11 @@ def ring_all_gather_s(n: int, nbytes: float, link: Link) -> float:
     Returns:
       Seconds; 0 for ``n == 1``.
     """
-    return _ring_steps_s(1, n, nbytes, link)
+    return _flat_s(1, n, nbytes, link)
 
 
 def ring_reduce_scatter_s(n: int, nbytes: float, link: Link) -> float:
-    """Ring reduce-scatter time: ``(n−1)·α + (n−1)/n · B/bw`` (Thakur et al. 2005, §4.4).
+    """Ring reduce-scatter time: ``α0 + (n−1)·α + (n−1)/n · B/bw`` (Thakur et al. 2005, §4.4).
 
     Args:
       n: devices in the ring.
@@ -180,12 +236,12 @@ def ring_reduce_scatter_s(n: int, nbytes: float, link: Link) -> float:
     Returns:
       Seconds; 0 for ``n == 1``.
     """
-    return _ring_steps_s(1, n, nbytes, link)
+    return _flat_s(1, n, nbytes, link)
 
 
 def all_to_all_s(n: int, nbytes: float, link: Link) -> float:
-    """All-to-all time, pairwise exchange: ``(n−1)·α + (n−1)/n · B/bw`` (Thakur et al. 2005,
-    §4.3).
+    """All-to-all time, pairwise exchange: ``α0 + (n−1)·α + (n−1)/n · B/bw`` (Thakur et al.
+    2005, §4.3).
 
     Args:
       n: devices taking part.
@@ -195,22 +251,33 @@ def all_to_all_s(n: int, nbytes: float, link: Link) -> float:
     Returns:
       Seconds; 0 for ``n == 1``.
     """
-    return _ring_steps_s(1, n, nbytes, link)
+    return _flat_s(1, n, nbytes, link)
 
 
 def send_recv_s(nbytes: float, link: Link) -> float:
-    """Point-to-point time ``α + B/bw`` (every device sends and receives B at once).
+    """Point-to-point time ``α0 + α + B/bw`` (every device sends and receives B at once): one
+    call (XLA's collective-permute is one NCCL send/recv group), one message.
 
     Args:
       nbytes: B, the bytes each device sends.
       link: the link between sender and receiver.
+
+    Example:
+        >>> round(send_recv_s(2**20, Link(25e9, 5e-6)) * 1e6, 3)  # 20 + 5 µs + 41.943 µs
+        66.943
     """
     _check(1, nbytes)
-    return link.transfer_time_s(nbytes)
+    return startup_s(link) + link.transfer_time_s(nbytes)
 
 
 # --------------------------------------------------------------------------------------------
 # two-level (node, then across nodes) decompositions, B convention
+
+
+def _hierarchical_startup_s(nodes: int, per_node: int, intra: Link, inter: Link) -> float:
+    """One start-up for the whole call, on the slowest link it uses (module docstring)."""
+    used = [link for link, count in ((intra, per_node), (inter, nodes)) if count > 1]
+    return max((startup_s(link) for link in used), default=0.0)
 
 
 def hierarchical_reduce_scatter_s(
@@ -218,8 +285,8 @@ def hierarchical_reduce_scatter_s(
 ) -> float:
     """Reduce-scatter inside each node, then across nodes on the 1/m shards (BlueConnect §3).
 
-    ``(m−1)·α_i + (m−1)/m · B/bw_i + (k−1)·α_e + (k−1)/k · (B/m)/bw_e`` with k = ``nodes``,
-    m = ``per_node``.
+    ``α0 + (m−1)·α_i + (m−1)/m · B/bw_i + (k−1)·α_e + (k−1)/k · (B/m)/bw_e`` with
+    k = ``nodes``, m = ``per_node``, and one start-up α0 = 4·max(α_i, α_e) for the call.
 
     Args:
       nodes: k, nodes taking part.
@@ -229,8 +296,10 @@ def hierarchical_reduce_scatter_s(
       inter: the per-device link between nodes (one NIC per device, all used at once).
     """
     shard_bytes = nbytes / per_node
-    return ring_reduce_scatter_s(per_node, nbytes, intra) + ring_reduce_scatter_s(
-        nodes, shard_bytes, inter
+    return (
+        _hierarchical_startup_s(nodes, per_node, intra, inter)
+        + _ring_pass_s(1, per_node, nbytes, intra)
+        + _ring_pass_s(1, nodes, shard_bytes, inter)
     )
 
 
@@ -249,16 +318,21 @@ def hierarchical_all_gather_s(
       inter: the per-device link between nodes.
     """
     shard_bytes = nbytes / per_node
-    return ring_all_gather_s(nodes, shard_bytes, inter) + ring_all_gather_s(per_node, nbytes, intra)
+    return (
+        _hierarchical_startup_s(nodes, per_node, intra, inter)
+        + _ring_pass_s(1, nodes, shard_bytes, inter)
+        + _ring_pass_s(1, per_node, nbytes, intra)
+    )
 
 
 def hierarchical_all_reduce_s(
     nodes: int, per_node: int, nbytes: float, intra: Link, inter: Link
 ) -> float:
     """Reduce-scatter in the node, all-reduce of the 1/m shards across nodes, all-gather in the
-    node (BlueConnect, Cho et al. 2019, §3; Horovod hierarchical all-reduce).
+    node (BlueConnect, Cho et al. 2019, §3; Horovod hierarchical all-reduce), in one call.
 
-    ``2(m−1)·α_i + 2(m−1)/m · B/bw_i + 2(k−1)·α_e + 2(k−1)/k · (B/m)/bw_e``.
+    ``α0 + 2(m−1)·α_i + 2(m−1)/m · B/bw_i + 2(k−1)·α_e + 2(k−1)/k · (B/m)/bw_e`` with one
+    start-up α0 = 4·max(α_i, α_e).
 
     Args:
       nodes: k, nodes taking part.
@@ -269,19 +343,20 @@ def hierarchical_all_reduce_s(
     """
     shard_bytes = nbytes / per_node
     return (
-        ring_reduce_scatter_s(per_node, nbytes, intra)
-        + ring_all_reduce_s(nodes, shard_bytes, inter)
-        + ring_all_gather_s(per_node, nbytes, intra)
+        _hierarchical_startup_s(nodes, per_node, intra, inter)
+        + _ring_pass_s(2, per_node, nbytes, intra)
+        + _ring_pass_s(2, nodes, shard_bytes, inter)
     )
 
 
 def hierarchical_all_to_all_s(
     nodes: int, per_node: int, nbytes: float, intra: Link, inter: Link
 ) -> float:
-    """Pairwise all-to-all with each message on its own level, the levels summed.
+    """Pairwise all-to-all with each message on its own level, the levels summed, one call.
 
     Each device sends B/n to each of the other n−1 devices (n = k·m): m−1 messages in the
-    node, n−m across nodes, ``(m−1)·α_i + (m−1)/n · B/bw_i + (n−m)·α_e + (k−1)/k · B/bw_e``.
+    node, n−m across nodes,
+    ``α0 + (m−1)·α_i + (m−1)/n · B/bw_i + (n−m)·α_e + (k−1)/k · B/bw_e``, α0 = 4·max(α_i, α_e).
     Summing is an upper bound (NVLink and NIC transfers can overlap); with equal links it is
     :func:`all_to_all_s`.
 
@@ -296,7 +371,7 @@ def hierarchical_all_to_all_s(
     n = nodes * per_node
     intra_s = (per_node - 1) * (intra.latency_s + nbytes / (n * intra.bandwidth_bytes_per_s))
     inter_s = (n - per_node) * (inter.latency_s + nbytes / (n * inter.bandwidth_bytes_per_s))
-    return intra_s + inter_s
+    return _hierarchical_startup_s(nodes, per_node, intra, inter) + intra_s + inter_s
 
 
 # --------------------------------------------------------------------------------------------
@@ -417,12 +492,12 @@ def _hierarchical_s(
         return hierarchical_all_to_all_s(nodes, most, nbytes, intra, inter)
     # Uneven nodes: the intra-node steps of the fullest node, the cross-node shards of the
     # emptiest (the larger shard); both bound the real time from above.
-    intra_steps = {"all-reduce": 2, "all-gather": 1, "reduce-scatter": 1}[kind]
-    intra_s = _ring_steps_s(intra_steps, most, nbytes, intra)
-    shard_bytes = nbytes / fewest
-    if kind == "all-reduce":
-        return intra_s + ring_all_reduce_s(nodes, shard_bytes, inter)
-    return intra_s + ring_all_gather_s(nodes, shard_bytes, inter)
+    steps = {"all-reduce": 2, "all-gather": 1, "reduce-scatter": 1}[kind]
+    return (
+        _hierarchical_startup_s(nodes, most, intra, inter)
+        + _ring_pass_s(steps, most, nbytes, intra)
+        + _ring_pass_s(steps, nodes, nbytes / fewest, inter)
+    )
 
 
 def collective_time_s(
@@ -455,8 +530,8 @@ def collective_time_s(
     Example:
         >>> c = Cluster.from_yaml("configs/clusters/dgx-a100.yaml")
         >>> t = collective_time_s("all-gather", 2**20, range(8), c, use_efficiency=False)
-        >>> round(t * 1e6, 2)  # 7·2 µs + 7/8 · 1 MiB / 300 GB/s
-        17.06
+        >>> round(t * 1e6, 2)  # 4·2 µs + 7·2 µs + 7/8 · 1 MiB / 300 GB/s
+        25.06
     """
     ids = _checked_group(group, cluster)
     n = len(ids)
@@ -524,8 +599,8 @@ def mesh_collective_time_s(
     Example:
         >>> c = Cluster.from_yaml("configs/clusters/dgx-a100.yaml")
         >>> m = LogicalMesh(("data", "model"), (2, 4), tuple(range(8)))
-        >>> mesh_collective_time_s("all-reduce", 0, m, "model", c) * 1e6  # 2·3·2 µs
-        12.0
+        >>> mesh_collective_time_s("all-reduce", 0, m, "model", c) * 1e6  # 4·2 + 2·3·2 µs
+        20.0
     """
     names = (axes,) if isinstance(axes, str) else tuple(axes)
     return max(
