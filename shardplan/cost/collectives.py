@@ -107,6 +107,7 @@ __all__ = [
     "LinkLevel",
     "all_to_all_s",
     "b_bytes_from_result",
+    "collective_startup_s",
     "collective_time_s",
     "hierarchical_all_gather_s",
     "hierarchical_all_reduce_s",
@@ -507,6 +508,7 @@ def collective_time_s(
     cluster: Cluster,
     *,
     use_efficiency: bool = True,
+    startup_share: float = 1.0,
 ) -> float:
     """Time of one collective over ``group`` on ``cluster``, in XLA's byte convention.
 
@@ -519,6 +521,9 @@ def collective_time_s(
         the devices of a ring shift ``group[i] -> group[i+1]``; the slowest hop bounds it.
       cluster: the cluster the ids belong to.
       use_efficiency: derate link bandwidths by the group's smallest ``efficiency.collective``.
+      startup_share: the part of the call's start-up (:func:`collective_startup_s`) this
+        collective pays: 1 for a call of its own, less for one that XLA's combiner merges
+        with others into one call (:func:`shardplan.cost.combine.startup_share`).
 
     Returns:
       Seconds: a flat ring inside one node, the hierarchical decomposition across nodes of one
@@ -538,6 +543,49 @@ def collective_time_s(
     nbytes = b_bytes_from_result(kind, result_bytes_per_device, n)
     if n == 1:
         return 0.0
+    if not 0.0 <= startup_share <= 1.0:
+        raise ClusterError(format_error(
+            "a collective pays between none and all of its call's start-up",
+            where="collective_time_s(startup_share=...)", value=startup_share,
+            remedy="pass a share in [0, 1]"))
+    whole_s = _whole_call_s(kind, nbytes, ids, cluster, use_efficiency)
+    if startup_share == 1.0:
+        return whole_s
+    return whole_s - (1.0 - startup_share) * _startup_of(kind, ids, cluster)
+
+
+def collective_startup_s(kind: CollectiveKind, group: Sequence[int], cluster: Cluster) -> float:
+    """The start-up α0 that one call of ``kind`` over ``group`` pays once, whatever its bytes
+    (module docstring, "Start-up"): ``STARTUP_STEPS`` latencies of the slowest link the call
+    uses; for a collective-permute, of its slowest hop; 0 for one device.
+
+    Example:
+        >>> c = Cluster.from_yaml("configs/clusters/dgx-a100.yaml")
+        >>> collective_startup_s("all-reduce", range(8), c) * 1e6  # 4 x 2 µs NVLink steps
+        8.0
+    """
+    ids = _checked_group(group, cluster)
+    b_bytes_from_result(kind, 0, len(ids))  # checks the kind
+    return 0.0 if len(ids) == 1 else _startup_of(kind, ids, cluster)
+
+
+def _startup_of(kind: CollectiveKind, ids: tuple[int, ...], cluster: Cluster) -> float:
+    if kind == "collective-permute":
+        hops = [cluster.link_between(a, b) for a, b in zip(ids, ids[1:] + ids[:1], strict=True)]
+        return max(startup_s(h) for h in hops)
+    level, link = link_for_group(ids, cluster)
+    if level == "inter_node":
+        group = cluster.group_of(ids[0])
+        assert group.inter_node is not None
+        nodes, _, most = _per_node_counts(ids, cluster)
+        return _hierarchical_startup_s(nodes, most, group.intra_node, group.inter_node)
+    return startup_s(link)
+
+
+def _whole_call_s(kind: CollectiveKind, nbytes: float, ids: tuple[int, ...], cluster: Cluster,
+                  use_efficiency: bool) -> float:
+    """:func:`collective_time_s` of a call of its own (``n > 1``, B convention)."""
+    n = len(ids)
     eff = _collective_efficiency(ids, cluster) if use_efficiency else 1.0
     if kind == "collective-permute":
         hops = [cluster.link_between(a, b) for a, b in zip(ids, ids[1:] + ids[:1], strict=True)]
@@ -585,6 +633,7 @@ def mesh_collective_time_s(
     cluster: Cluster,
     *,
     use_efficiency: bool = True,
+    startup_share: float = 1.0,
 ) -> float:
     """Time of a collective over mesh ``axes``: all its groups run at once; the slowest bounds.
 
@@ -595,6 +644,7 @@ def mesh_collective_time_s(
       axes: the axis or axes the collective runs over.
       cluster: the cluster.
       use_efficiency: derate link bandwidths by ``efficiency.collective``.
+      startup_share: as in :func:`collective_time_s`.
 
     Example:
         >>> c = Cluster.from_yaml("configs/clusters/dgx-a100.yaml")
@@ -604,6 +654,7 @@ def mesh_collective_time_s(
     """
     names = (axes,) if isinstance(axes, str) else tuple(axes)
     return max(
-        collective_time_s(kind, result_bytes_per_device, g, cluster, use_efficiency=use_efficiency)
+        collective_time_s(kind, result_bytes_per_device, g, cluster,
+                          use_efficiency=use_efficiency, startup_share=startup_share)
         for g in mesh.groups(names)
     )

@@ -3,7 +3,8 @@
 :func:`step_cost` combines the pieces of this package for a homogeneous mesh (one device type,
 as every pipeline stage is): the roofline time of each op on its local shard (only buffers that
 exist in memory are charged memory traffic), the α-β time of every predicted collective on the
-links its mesh axes span, and the memory estimate. Compute and communication are added, i.e.
+links its mesh axes span (an all-reduce that XLA combines with others pays a share of one
+call's start-up, :mod:`shardplan.cost.combine`), and the memory estimate. Compute and communication are added, i.e.
 no overlap is assumed, which is the conservative choice for ranking plans.
 """
 
@@ -13,6 +14,7 @@ import dataclasses
 
 from shardplan.cluster import Cluster
 from shardplan.cost.collectives import mesh_collective_time_s
+from shardplan.cost.combine import combinable_ops, startup_share
 from shardplan.cost.compute import graph_compute_time_s
 from shardplan.cost.memory import MemoryEstimate, buffer_tensors, estimate_memory
 from shardplan.cost.sharding import ShardingAnalysis
@@ -72,8 +74,14 @@ def step_cost(graph: OpGraph, analysis: ShardingAnalysis, cluster: Cluster, *,
     compute = graph_compute_time_s(
         graph, device, divisor_of=lambda op_id: float(mesh.size(analysis.op_axes[op_id])),
         materialized=lambda t: buffers[t])
-    comm = sum(mesh_collective_time_s(c.kind, c.result_bytes, mesh, c.axes, cluster) * c.count
-               for c in analysis.collectives)
+    # A partial sum's all-reduce that XLA combines with others pays a share of a call's
+    # start-up (cost.combine).
+    combinable = combinable_ops(graph)
+    comm = sum(mesh_collective_time_s(
+        c.kind, c.result_bytes, mesh, c.axes, cluster,
+        startup_share=(startup_share(c.result_bytes, device)
+                       if c.kind == "all-reduce" and c.op in combinable else 1.0)) * c.count
+        for c in analysis.collectives)
     memory = estimate_memory(graph, lambda t: analysis.local_bytes(graph, t), donated=donated,
                              collectives=analysis.collectives)
     return StepCost(device=device.name, compute_s=compute, communication_s=comm,

@@ -261,6 +261,7 @@ class _Readback:
         self.graph = graph
         self.collective_cache = collective_cache if collective_cache is not None else {}
         self.rules = facts.rules
+        self.combinable = facts.combinable
         self.cluster = cluster
         self.layers = tuple(layers)
         self.batch = batch
@@ -305,7 +306,7 @@ class _Readback:
         comm = MeshCollectives(mesh, self.cluster, self.collective_cache)
         for c in analysis.collectives:
             seconds[c.op] = seconds.get(c.op, 0.0) + c.count * comm.collective(
-                c.kind, c.axes, c.result_bytes)
+                c.kind, c.axes, c.result_bytes, combinable=c.op in self.combinable)
         phase: dict[tuple[int, str], float] = defaultdict(float)
         recompute: dict[tuple[int, str], float] = defaultdict(float)
         for op_id, (mine, shared_by) in self.owners.items():

@@ -37,6 +37,7 @@ import numpy as np
 from shardplan.cluster import Cluster, DeviceSpec
 from shardplan.cluster.mesh import LogicalMesh
 from shardplan.cost.collectives import collective_time_s, mesh_collective_time_s
+from shardplan.cost.combine import combinable_ops, startup_share
 from shardplan.cost.compute import (
     OpClass,
     compute_dtype,
@@ -242,6 +243,9 @@ class StepFacts:
       boundary, source_ids: a fold's (``build_intraop_problem``'s ``fold``), else None.
       leaf_weights: a fold's :attr:`~shardplan.planner.fold.Fold.leaf_weights` (the leaves
         each folded-graph leaf stands for, whose bytes it holds), else empty.
+      combinable: ops whose partial-sum all-reduces XLA's combiner merges with others
+        (:func:`~shardplan.cost.combine.combinable_ops`): they pay a share of a call's
+        start-up.
     """
 
     rules: tuple[OpRule, ...]
@@ -254,6 +258,7 @@ class StepFacts:
     boundary: BoundaryUses | None = None
     source_ids: tuple[int, ...] | None = None
     leaf_weights: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    combinable: frozenset[int] = frozenset()
 
 
 def step_facts(graph: OpGraph, *, tie_period: int = 1, fold: Fold | None = None) -> StepFacts:
@@ -272,7 +277,8 @@ def step_facts(graph: OpGraph, *, tie_period: int = 1, fold: Fold | None = None)
                      free=regenerable(graph, {p.tensor for p in graph.parameters}),
                      fused=fused, boundary=fold.boundary if fold is not None else None,
                      source_ids=fold.source_ids if fold is not None else None,
-                     leaf_weights=fold.leaf_weights if fold is not None else {})
+                     leaf_weights=fold.leaf_weights if fold is not None else {},
+                     combinable=combinable_ops(graph, rules))
 
 
 def intraop_layout(graph: OpGraph, mesh: LogicalMesh, *, tie_period: int = 1,
@@ -346,15 +352,21 @@ class MeshCollectives:
                  shared: dict[tuple, float] | None = None) -> None:
         self.mesh = mesh
         self.cluster = cluster
-        self._collective: dict[tuple[str, tuple[str, ...], float], float] = {}
-        self._steps: dict[tuple[tuple[ReshardStep, ...], int], float] = {}
+        self._collective: dict[tuple[str, tuple[str, ...], float, float], float] = {}
+        self._steps: dict[tuple[tuple[ReshardStep, ...], int, bool], float] = {}
+        self._device = cluster.group_of(mesh.device_ids[0]).device
         self._groups: dict[tuple[str, ...], list[tuple[tuple, tuple[int, ...]]]] = {}
         # Times per (kind, bytes, class of group), valid for any mesh of this cluster.
         self._shared = shared if shared is not None else {}
 
-    def collective(self, kind: str, axes: tuple[str, ...], nbytes: float) -> float:
-        """``mesh_collective_time_s(kind, nbytes, mesh, axes, cluster)``."""
-        key = (kind, axes, nbytes)
+    def collective(self, kind: str, axes: tuple[str, ...], nbytes: float, *,
+                   combinable: bool = False) -> float:
+        """``mesh_collective_time_s(kind, nbytes, mesh, axes, cluster)``; an all-reduce that
+        XLA combines with others (``combinable``) pays its
+        :func:`~shardplan.cost.combine.startup_share` of the call's start-up."""
+        share = (startup_share(nbytes, self._device) if combinable and kind == "all-reduce"
+                 else 1.0)
+        key = (kind, axes, nbytes, share)
         t = self._collective.get(key)
         if t is None:
             if kind == "collective-permute":  # its hops depend on the order, not the spread
@@ -363,25 +375,28 @@ class MeshCollectives:
             else:
                 times = []
                 for alike, g in self._representatives(axes):
-                    shared_key = (kind, nbytes, alike)
+                    shared_key = (kind, nbytes, share, alike)
                     if shared_key not in self._shared:
                         self._shared[shared_key] = collective_time_s(
-                            kind, nbytes, g, self.cluster)  # type: ignore[arg-type]
+                            kind, nbytes, g, self.cluster,  # type: ignore[arg-type]
+                            startup_share=share)
                     times.append(self._shared[shared_key])
                 t = max(times)
             self._collective[key] = t
         return t
 
-    def steps(self, steps: tuple[ReshardStep, ...], nbytes: int) -> float:
+    def steps(self, steps: tuple[ReshardStep, ...], nbytes: int, *,
+              combinable: bool = False) -> float:
         """The time of the collectives ``steps`` on a tensor of ``nbytes`` (each step's bytes
-        per device: its result's shard)."""
-        key = (steps, nbytes)
+        per device: its result's shard); ``combinable``: as in :meth:`collective`."""
+        key = (steps, nbytes, combinable)
         t = self._steps.get(key)
         if t is None:
             t = 0.0
             for step in steps:
                 shards = math.prod(self.mesh.size(axes) for axes in step.result_spec if axes)
-                t += self.collective(step.kind, step.axes, nbytes / shards)
+                t += self.collective(step.kind, step.axes, nbytes / shards,
+                                     combinable=combinable)
             self._steps[key] = t
         return t
 
@@ -453,14 +468,15 @@ class _Recipe:
              for strats in strategies for s in strats], dtype=np.int64)
         self.axes = axes_keys.keys
         self.size = int(base[-1])
-        steps_keys = _Keys()  # (collective steps, bytes)
+        steps_keys = _Keys()  # (collective steps, bytes, combinable)
         self._arguments(param_events)
         self._ops(facts, op_events, steps_keys)
         reshards = self._uses(uses, group_of)
         # A resharding costs ``steps(reshard_steps(have, want), bytes)``: map each to the
         # (steps, bytes) it times, shared with the partial sums' (steps, bytes).
         self.reshard_steps = np.asarray(
-            [steps_keys((reshard_steps(have, want), nbytes)) for have, want, nbytes in reshards],
+            [steps_keys((reshard_steps(have, want), nbytes, False))
+             for have, want, nbytes in reshards],
             dtype=np.int64)
         self.steps = steps_keys.keys
 
@@ -487,6 +503,7 @@ class _Recipe:
         fused: dict[tuple[int, int], Op] = {}
         for n, o in op_events:
             op = graph.ops[o]
+            combinable = o in facts.combinable
             partial = []
             for k, s in zip(flat(n), strategies[n], strict=True):
                 if s.partial_axes:
@@ -495,7 +512,7 @@ class _Recipe:
                     reduce_slots.append([
                         steps_keys((reduce_steps(spec, spec, s.partial_axes,
                                                  reduce_scatter=False),
-                                    graph.tensors[t].nbytes))
+                                    graph.tensors[t].nbytes, combinable))
                         for t, spec in zip(op.outputs, s.result_specs, strict=True)])
             if partial:
                 reduce_events.append((n, partial))
@@ -597,7 +614,8 @@ class _Recipe:
         local = self.param_bytes / param_shards
         self.param_adds.apply(compute, local * INPUT_BYTE_TIEBREAK_S)
         self.param_adds.apply(memory, local)
-        step_s = np.asarray([comm.steps(steps, nbytes) for steps, nbytes in self.steps])
+        step_s = np.asarray([comm.steps(steps, nbytes, combinable=combinable)
+                             for steps, nbytes, combinable in self.steps])
         # Partial sums: ``sum(steps(...) * count for each result)``, starting from 0.
         if len(self.reduce_slots):
             total = np.zeros(len(self.reduce_slots))
