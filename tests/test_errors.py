@@ -11,6 +11,7 @@ import re
 import traceback
 from pathlib import Path
 
+import fused_qkv_lm
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -242,19 +243,17 @@ def test_solver_limits_warn_with_the_gap_and_return_the_incumbent() -> None:
     assert cut.solver["status"] == "feasible" and best.solver["status"] == "optimal"
     assert cut.predicted.step_time_s >= best.predicted.step_time_s
     # The intra-op solver, given 1 ms: less than CP-SAT's presolve, so the greedy hint. (A
-    # problem whose relaxation is fractional: a GPT block of d_model 4096 on one 8-GPU node;
-    # the small MLPs' relaxations are integral once their blocks are folded.)
-    config = models.load_model_config("gpt3-175b", overrides={
-        "n_layers": 2, "d_model": 4096, "n_heads": 32, "d_ff": 16384})
-    graphdef, state = models.abstract_train_state(config)
+    # problem whose relaxation is fractional: a GPT-2-style block written as users write it,
+    # with a fused q/k/v projection and 25 heads, at batch 1 on one 8-GPU node; the models'
+    # GPT blocks and the small MLPs have integral relaxations there.)
+    step, state, ids = fused_qkv_lm.abstract_case(batch=1)
     node = sp.Cluster.from_dict({"name": "h100-node", "groups": [{
         "name": "h100", "device": "h100-sxm", "nodes": 1, "devices_per_node": 8,
         "intra_node": {"bandwidth_GB_s": 450.0, "latency_us": 2.0}}]})
     with pytest.warns(sp.ShardplanWarning,
                       match=r"(?s)0.001 s limit.*within \d+\.\d % of the proven lower bound"
                             r".*PlanConfig.time_limit_s.*raise"):
-        plan = sp.make_plan(models.make_train_step(graphdef), state,
-                            models.example_batch(config, 1, abstract=True), cluster=node,
+        plan = sp.make_plan(step, state, ids, cluster=node,
                             config=sp.PlanConfig(time_limit_s=0.001, relative_gap=0.0,
                                                  tie_periods=(1,)))
     assert plan.solver["status"] == "feasible" and plan.solver["gap"] > 0

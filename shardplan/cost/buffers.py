@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from shardplan.trace.graph import Op, OpGraph
 
-__all__ = ["YNN_MIN_ELEMENTS", "buffer_tensors"]
+__all__ = ["YNN_MIN_ELEMENTS", "buffer_tensors", "in_memory_tensors"]
 
 _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
                          "reduce_or", "argmax", "argmin"})
@@ -121,6 +121,20 @@ def buffer_tensors(graph: OpGraph) -> list[bool]:
                 is_buffer[t] = False
             fusion_root[t] = _one_fusion(graph, t, is_buffer, fusion_root)
     return is_buffer
+
+
+def in_memory_tensors(graph: OpGraph) -> list[bool]:
+    """Per tensor id: whether reading or writing it moves bytes of device memory, which is
+    what the roofline charges (:func:`~shardplan.cost.compute.with_materialized_bytes`): the
+    buffers of :func:`buffer_tensors` and also the program's arguments and results. An
+    argument lives in memory before the step (a fusion reading a parameter or an Adam moment
+    reads it from there) and a result after it (the update's fusions write the new
+    parameters and moments there), though neither is a buffer the step allocates."""
+    in_memory = buffer_tensors(graph)
+    for t in (*graph.inputs, *graph.outputs):
+        if t is not None:
+            in_memory[t] = True
+    return in_memory
 
 
 def _one_fusion(graph: OpGraph, t: int, is_buffer: list[bool], fusion_root: list[int]) -> int:

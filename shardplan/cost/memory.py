@@ -53,7 +53,13 @@ from shardplan.cost.activations import (
     saved_activation_bytes,
     saved_activation_bytes_by_layer,
 )
-from shardplan.cost.buffers import YNN_MIN_ELEMENTS, _buffers, _Interval, buffer_tensors
+from shardplan.cost.buffers import (
+    YNN_MIN_ELEMENTS,
+    _buffers,
+    _Interval,
+    buffer_tensors,
+    in_memory_tensors,
+)
 from shardplan.trace.graph import OpGraph
 
 if TYPE_CHECKING:
@@ -67,6 +73,7 @@ __all__ = [
     "activation_facts",
     "buffer_tensors",
     "estimate_memory",
+    "in_memory_tensors",
     "saved_activation_bytes",
     "saved_activation_bytes_by_layer",
 ]

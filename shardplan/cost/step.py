@@ -1,8 +1,8 @@
 """The cost of one train step on one sharded mesh: compute, communication, memory.
 
 :func:`step_cost` combines the pieces of this package for a homogeneous mesh (one device type,
-as every pipeline stage is): the roofline time of each op on its local shard (only buffers that
-exist in memory are charged memory traffic), the α-β time of every predicted collective on the
+as every pipeline stage is): the roofline time of each op on its local shard (only values that
+exist in memory are charged memory traffic: buffers, arguments and results), the α-β time of every predicted collective on the
 links its mesh axes span (an all-reduce that XLA combines with others pays a share of one
 call's start-up, :mod:`shardplan.cost.combine`), and the memory estimate. Compute and communication are added, i.e.
 no overlap is assumed, which is the conservative choice for ranking plans.
@@ -16,7 +16,7 @@ from shardplan.cluster import Cluster
 from shardplan.cost.collectives import mesh_collective_time_s
 from shardplan.cost.combine import combinable_ops, startup_share
 from shardplan.cost.compute import graph_compute_time_s
-from shardplan.cost.memory import MemoryEstimate, buffer_tensors, estimate_memory
+from shardplan.cost.memory import MemoryEstimate, estimate_memory, in_memory_tensors
 from shardplan.cost.sharding import ShardingAnalysis
 from shardplan.errors import ClusterError, format_error
 from shardplan.trace.graph import OpGraph
@@ -70,7 +70,7 @@ def step_cost(graph: OpGraph, analysis: ShardingAnalysis, cluster: Cluster, *,
             where="mesh device ids", value=sorted(types),
             remedy="build one mesh per device group and pipeline between them"))
     device = cluster.group_of(mesh.device_ids[0]).device
-    buffers = buffer_tensors(graph)
+    buffers = in_memory_tensors(graph)
     compute = graph_compute_time_s(
         graph, device, divisor_of=lambda op_id: float(mesh.size(analysis.op_axes[op_id])),
         materialized=lambda t: buffers[t])

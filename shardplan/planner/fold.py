@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from shardplan.cost.compute import materialized_bytes
-from shardplan.cost.memory import buffer_tensors
+from shardplan.cost.memory import in_memory_tensors
 from shardplan.trace.graph import Layer, Op, OpGraph, Tensor
 
 if TYPE_CHECKING:
@@ -403,7 +403,7 @@ def _assemble(graph: OpGraph, ops: list[Op], new_id: Mapping[int, int],
                                  layers=layers,
                                  inputs=tuple(tid[t] for t in graph.inputs if t not in leaf_of),
                                  outputs=outputs)
-    is_buffer = buffer_tensors(graph).__getitem__
+    is_buffer = in_memory_tensors(graph).__getitem__
     executions: dict[int, list[int]] = defaultdict(list)
     for o, f in enumerate(op_of):
         executions[f].append(o)

@@ -46,7 +46,7 @@ from shardplan.cost.compute import (
     parameter_tensors,
     with_materialized_bytes,
 )
-from shardplan.cost.memory import buffer_tensors
+from shardplan.cost.memory import in_memory_tensors
 from shardplan.cost.rules import OpRule, op_rule
 from shardplan.cost.sharding import ReshardStep, Spec, reduce_steps, reshard_steps
 from shardplan.cost.strategies import OpStrategy
@@ -264,7 +264,7 @@ class StepFacts:
 def step_facts(graph: OpGraph, *, tie_period: int = 1, fold: Fold | None = None) -> StepFacts:
     """The :class:`StepFacts` of ``graph`` (``fold``: as in ``build_intraop_problem``)."""
     rules = tuple(op_rule(graph, op) for op in graph.ops)
-    buffers = buffer_tensors(graph)
+    buffers = in_memory_tensors(graph)
     params = parameter_tensors(graph)
     canon_op, canon_in = tie_layers(graph, tie_period) if tie_period else ({}, {})
     charged = fold.charged if fold is not None else {}
