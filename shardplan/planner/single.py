@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from shardplan._gc import gc_paused
 from shardplan._traceback import api_boundary
 from shardplan.cluster import Cluster
 from shardplan.cluster.mesh import LogicalMesh
@@ -62,6 +63,7 @@ def graph_fingerprint(graph: OpGraph) -> str:
 
 @api_boundary  # outermost: no shardplan frame above JAX's traceback filter
 @stamped
+@gc_paused()  # planning allocates millions of long-lived objects (shardplan._gc)
 def make_plan(train_step: Callable[..., Any], state: Any, batch: Any, /, *, cluster: Cluster,
               config: PlanConfig | None = None,
               annotations: Mapping[str, Sequence[Any]] | None = None) -> Plan:

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import gc
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
+from shardplan._gc import gc_paused
 from shardplan._traceback import api_boundary
 from shardplan.errors import TraceError, format_error
 from shardplan.trace.flatten import FlatGraph, flatten_jaxpr, user_scope
@@ -208,15 +207,16 @@ def trace(fn: Callable[..., Any], /, *args: Any, name: str | None = None) -> OpG
       75.0
     """
     leaves = check_leaves(args)
-    try:
-        traced = jax.jit(fn).trace(*args)
-    except TraceError:
-        raise
-    except Exception as e:  # the user's function failed to trace: say where, keep the cause
-        raise TraceError(format_error(
-            f"Tracing {getattr(fn, '__name__', fn)!r} failed: {type(e).__name__}: {e}"[:2000],
-            remedy="make the function traceable with jax.jit on these argument shapes")) from e
-    return build_graph(traced, leaves, name=name or str(getattr(fn, "__name__", "fn")))
+    with gc_paused():  # JAX's trace of a large step allocates millions of objects too
+        try:
+            traced = jax.jit(fn).trace(*args)
+        except TraceError:
+            raise
+        except Exception as e:  # the user's function failed to trace: say where, keep the cause
+            raise TraceError(format_error(
+                f"Tracing {getattr(fn, '__name__', fn)!r} failed: {type(e).__name__}: {e}"[:2000],
+                remedy="make the function traceable with jax.jit on these argument shapes")) from e
+        return build_graph(traced, leaves, name=name or str(getattr(fn, "__name__", "fn")))
 
 
 def build_graph(traced: jax.stages.Traced, leaves: Sequence[tuple[str, Any]], /, *,
@@ -237,7 +237,7 @@ def build_graph(traced: jax.stages.Traced, leaves: Sequence[tuple[str, Any]], /,
     Raises:
       TraceError: the jaxpr's inputs do not line up with ``leaves``.
     """
-    with _gc_paused():
+    with gc_paused():
         flat = flatten_jaxpr(traced.jaxpr)
         if len(flat.inputs) != len(leaves):
             raise TraceError(format_error(
@@ -252,30 +252,6 @@ def build_graph(traced: jax.stages.Traced, leaves: Sequence[tuple[str, Any]], /,
                          if t is not None and p in in_path_set}
         phases = _phases(flat, state_outputs)
         return _build(flat, phases, input_paths, output_paths, name)
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pauses Python's cyclic garbage collector, and restores it.
-
-    The passes allocate a few objects per op and free no cycles, but each allocation counts
-    towards a collection, and a collection walks every live object: the traced jaxpr of a large
-    Python-loop model is millions of them, so collections took about a third of the passes'
-    time on GPT-3 175B. Reference counting still frees everything as usual. On the way out the
-    objects allocated meanwhile (the graph, long-lived) go to the oldest generation unexamined
-    (``gc.freeze`` then ``gc.unfreeze``), else the first allocation after ``gc.enable`` would
-    walk them all at once (0.3 s for GPT-3 175B); skipped where someone else froze objects.
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            if gc.get_freeze_count() == 0:
-                gc.freeze()
-                gc.unfreeze()
-            gc.enable()
 
 
 def _build(flat: FlatGraph, phases: list[Phase], input_paths: dict[int, str],
