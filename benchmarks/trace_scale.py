@@ -7,7 +7,8 @@ process so that its peak resident memory is its own. Nothing is allocated: the s
 batch are ``jax.ShapeDtypeStruct`` s.
 
 ``sp.trace`` is three steps, timed apart here: checking the argument leaves, JAX's own trace
-(``jax.jit(step).trace``), and shardplan's passes over the jaxpr (flatten and cost, phases and
+(``jax.jit(step).trace``, with Python's cyclic garbage collector paused as ``sp.trace`` pauses
+it), and shardplan's passes over the jaxpr (flatten and cost, phases and
 roles, layers and fingerprints: ``shardplan.trace.api.build_graph``). ``passes_s`` is the first
 and the last together: everything ``sp.trace`` spends outside JAX. Each is reported as wall time
 and as this process's CPU time (``time.process_time``), and each run records the machine's
@@ -55,6 +56,7 @@ def _measure(variant: str) -> dict:
     import jax
 
     import models
+    from shardplan._gc import gc_paused
 
     # `shardplan.trace` the package (its `trace` function shadows the attribute).
     api = importlib.import_module("shardplan.trace.api")
@@ -66,9 +68,11 @@ def _measure(variant: str) -> dict:
     batch = models.example_batch(config, BATCH, abstract=True)
     step = models.make_train_step(graphdef)
     state_build_s = time.perf_counter() - t0
-    # sp.trace(step, state, batch), step by step (see api.trace).
+    # sp.trace(step, state, batch), step by step (see api.trace): JAX's trace runs with the
+    # cyclic garbage collector paused, as sp.trace runs it (shardplan._gc).
     leaves, check_s, check_cpu_s = _timed(api.check_leaves, (state, batch))
-    traced, jax_s, jax_cpu_s = _timed(jax.jit(step).trace, state, batch)
+    with gc_paused():
+        traced, jax_s, jax_cpu_s = _timed(jax.jit(step).trace, state, batch)
     graph, build_s, build_cpu_s = _timed(api.build_graph, traced, leaves,
                                          name=str(getattr(step, "__name__", "fn")))
     b, s, L, h, v = BATCH, config.max_seq_len, config.n_layers, config.d_model, config.vocab_size
