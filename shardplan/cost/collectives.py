@@ -100,6 +100,11 @@ from typing import Literal
 from shardplan.cluster import Cluster, Link, LogicalMesh
 from shardplan.errors import ClusterError, format_error
 
+# (Past 600 lines: about half is the formulas' docstrings with hand-worked examples, which the
+# doctests run. The ring, hierarchical and across-group formulas and the per-call start-up are
+# one model; the mesh-axis helpers at the end, mesh_axis_links and mesh_collective_time_s, are
+# the piece to move out, with planner/layout.py's MeshCollectives.)
+
 __all__ = [
     "COLLECTIVE_KINDS",
     "STARTUP_STEPS",
@@ -569,10 +574,14 @@ def collective_startup_s(kind: CollectiveKind, group: Sequence[int], cluster: Cl
     return 0.0 if len(ids) == 1 else _startup_of(kind, ids, cluster)
 
 
+def _shift_hops(ids: tuple[int, ...], cluster: Cluster) -> list[Link]:
+    """The links of a ring shift ``ids[i] -> ids[i+1]`` (a collective-permute), in order."""
+    return [cluster.link_between(a, b) for a, b in zip(ids, ids[1:] + ids[:1], strict=True)]
+
+
 def _startup_of(kind: CollectiveKind, ids: tuple[int, ...], cluster: Cluster) -> float:
     if kind == "collective-permute":
-        hops = [cluster.link_between(a, b) for a, b in zip(ids, ids[1:] + ids[:1], strict=True)]
-        return max(startup_s(h) for h in hops)
+        return max(startup_s(h) for h in _shift_hops(ids, cluster))
     level, link = link_for_group(ids, cluster)
     if level == "inter_node":
         group = cluster.group_of(ids[0])
@@ -588,8 +597,7 @@ def _whole_call_s(kind: CollectiveKind, nbytes: float, ids: tuple[int, ...], clu
     n = len(ids)
     eff = _collective_efficiency(ids, cluster) if use_efficiency else 1.0
     if kind == "collective-permute":
-        hops = [cluster.link_between(a, b) for a, b in zip(ids, ids[1:] + ids[:1], strict=True)]
-        return max(send_recv_s(nbytes, _derated(h, eff)) for h in hops)
+        return max(send_recv_s(nbytes, _derated(h, eff)) for h in _shift_hops(ids, cluster))
     level, link = link_for_group(ids, cluster)
     if level == "inter_node":
         return _hierarchical_s(kind, nbytes, ids, cluster, eff)
