@@ -129,6 +129,42 @@ def test_two_stages(gpt, schedule: str) -> None:
     assert run.plan == piped  # what a run records is not part of the plan's identity
 
 
+def _remat_run(gpt, remat: str):
+    config, state, step, plan = gpt
+    piped = _pipeline(plan, [[("a100-80g", (0,), ("pre", "blocks.0")),
+                              ("v100-32g", (4,), ("blocks.1", "post"))]], 4, [4])
+    piped = dataclasses.replace(piped, stages=tuple(
+        dataclasses.replace(st, remat=remat) for st in piped.stages))
+    run = _three_steps(config, state, step, piped)
+    return config, {p["name"]: p for p in run.plan.compiled["programs"] if p["stage"] == 0}
+
+
+def test_each_remat_policy_runs_as_planned(gpt) -> None:
+    # The plan's remat policy decides what a stage's forward hands its backward: everything
+    # the backward reads (none), all but the attention core, which the backward recomputes
+    # (selective), or only the stage's input, the whole forward recomputed (full). Stage 0
+    # (the embedding and block 0) hands stage 1 the residual stream [4, seq, d] in each case.
+    runs = {remat: _remat_run(gpt, remat) for remat in ("none", "selective", "full")}
+    config = runs["full"][0]
+    seq = models.example_batch(config, 1, seed=0)["inputs"].shape[1]
+    boundary = 4 * seq * config.d_model * 4
+    forward = {r: progs["replica 0 task 0"]["output_bytes"] for r, (_, progs) in runs.items()}
+    backward = {r: progs["replica 0 task 3"]["flops"] for r, (_, progs) in runs.items()}
+    assert forward["full"] == boundary < forward["selective"] < forward["none"]
+    assert backward["none"] < backward["selective"] < backward["full"]
+    # The update's levels before the last pass on only scalars (the global norm's partial
+    # sums, the step counter): every parameter-sized value is computed in the last level.
+    for _, progs in runs.values():
+        levels = {int(n.split()[1]): p for n, p in progs.items() if n.startswith("update")}
+        assert all(levels[k]["output_bytes"] <= 64 for k in levels if k < max(levels))
+        # What the device held beside each program: at least block 0's Adam moments, which
+        # no gradient task reads.
+        moments = sum(x.nbytes for path, x in jax.tree_util.tree_leaves_with_path(gpt[1])
+                      if any(f"['{m}']['blocks'][0]" in jax.tree_util.keystr(path)
+                             for m in ("mu", "nu")))
+        assert progs["replica 0 task 3"]["beside_bytes"] >= moments > 0
+
+
 @pytest.mark.parametrize(("schedule", "bound"), [("1f1b", [4, 3, 2, 1]), ("gpipe", [8] * 4)])
 def test_four_stages_with_eight_microbatches(gpt, schedule: str, bound: list[int]) -> None:
     # Eight programs (F and B per stage), each on its own device; 1F1B keeps at most k - p

@@ -129,8 +129,13 @@ def report_table(plan: Plan, /) -> tuple[list[str], list[list[str]]]:
         figures = [p["memory_bytes"] for p in programs.get(st.index, ())
                    if p["memory_bytes"] is not None]
         compiled = max(figures) if figures else None
-        rows.append([stage_label(plan, st.index), bytes_cell(predicted), bytes_cell(compiled), "",
-                     ratio_cell(predicted, compiled)])
+        # What the device held: a program's own figure plus the arrays the pipeline driver
+        # kept beside it when it ran (state copies and optimizer state, saved activations of
+        # other microbatches, gradient sums), the largest over the first step's runs.
+        held = [p["memory_bytes"] + p["beside_bytes"] for p in programs.get(st.index, ())
+                if p["memory_bytes"] is not None and p.get("beside_bytes") is not None]
+        rows.append([stage_label(plan, st.index), bytes_cell(predicted), bytes_cell(compiled),
+                     bytes_cell(max(held)) if held else "", ratio_cell(predicted, compiled)])
     rows.append(["FLOPs per device per step"])
     for st in plan.stages:
         flops = (plan.predicted.stage_flops[st.index]
@@ -163,7 +168,9 @@ def plan_report(plan: Plan, /) -> str:
     lines += [f"  {line}" for line in head]
     if (len(plan.stages) > 1 or plan.microbatches > 1) and programs_by_stage(plan):
         lines.append("  (pipeline stages run several programs: compiled memory is the largest")
-        lines.append("   one, compiled FLOPs the sum of the stage's programs for one microbatch)")
+        lines.append("   one, compiled FLOPs the sum of the stage's programs for one microbatch;")
+        lines.append("   measured memory is the most a device held while a program ran: the")
+        lines.append("   program's own figure plus the arrays the driver kept beside it)")
     lines += ["", _ROW.format("", "predicted", "compiled", "measured", "ratio")]
     lines += [f"  {row[0]}" if len(row) == 1 else _ROW.format(*row) for row in rows]
     if len(rows[-1]) == 1:  # the collectives' heading, with no kind under it

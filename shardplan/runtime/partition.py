@@ -34,7 +34,8 @@ where the parameters live and only small values (norms, scales, counters) move.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,13 +142,16 @@ def _programs(jaxpr: Any, consts: Sequence[Any], eqns: Sequence[Any],
               sources: Mapping[Any, Input], keep: Callable[[Any, int], bool],
               out_sharding: Callable[[Any, int], Any] | None = None,
               donate: Mapping[tuple[int, int], tuple[int, ...]] | None = None,
+              again: Mapping[int, Sequence[int]] | None = None,
               ) -> list[Program]:
     """One program per group ``(key, stage)`` of equations or items (``group_of``: each one's
     group); ``keep(var, group)``: whether a value the group defines is an output; ``donate``:
-    per group, the arguments its program donates."""
+    per group, the arguments its program donates; ``again``: per group, equations of earlier
+    groups it runs once more (rematerialisation) instead of reading their results."""
     out: list[Program] = []
     for g, (key, stage) in enumerate(groups):
-        mine = [i for i in range(len(eqns)) if group_of[i] == g]
+        mine = sorted({i for i in range(len(eqns)) if group_of[i] == g}
+                      | set((again or {}).get(g, ())))
         if not mine:
             continue
         defined = {v for i in mine for v in eqns[i].outvars}
@@ -314,6 +318,8 @@ def _interpreted(items: Sequence[_Item], constvars: Sequence[Any], consts: Seque
 def gradient_programs(split: StepSplit, labels: Mapping[int, frozenset[str]],
                       virtual: VirtualStages, n_state: int,
                       stacks: Mapping[str, tuple[Sequence[str], frozenset[int]]] | None = None,
+                      remat: Mapping[int, str] | None = None,
+                      core: Collection[int] = (),
                       ) -> list[Program]:
     """The gradient part of one replica cut into its tasks (the module docstring).
 
@@ -324,6 +330,11 @@ def gradient_programs(split: StepSplit, labels: Mapping[int, frozenset[str]],
       n_state: the number of state leaves.
       stacks: per block stack, its layers in row order and the state leaves they own (a scan
         over a stack is cut by stage, :func:`_cut_scans`).
+      remat: per stage (index into ``plan.stages``), its rematerialisation policy: under
+        ``full`` a backward task runs its forward task's equations again from the stage's
+        inputs, under ``selective`` those of the attention core (``core``); the forward task
+        then hands the backward only what it does not recompute.
+      core: the step's top-level equation indices that selective remat recomputes.
 
     Raises:
       PipelineError: an equation belongs to layers of several virtual stages, or reads a value
@@ -383,9 +394,60 @@ def gradient_programs(split: StepSplit, labels: Mapping[int, frozenset[str]],
     groups = [(o, virtual.stages[virtual.position[o if o < big_k else 2 * big_k - 1 - o]])
               for o in range(2 * big_k)]
     group_of = [int(o) for o in order if o is not None]
+    again = _recomputed(eqns, group_of, producer, big_k, [
+        (remat or {}).get(virtual.stages[virtual.position[s]], "none") for s in range(big_k)],
+        {id(e) for i, e in enumerate(jaxpr.eqns) if split.gradient_index[i] in set(core)})
+    runs: dict[int, set[int]] = defaultdict(set)
+    for i, g in enumerate(group_of):
+        runs[g].add(i)
+    for g, extra in again.items():
+        runs[g].update(extra)
     cut = set(jaxpr.outvars)
-    return _programs(jaxpr, split.gradient.consts, eqns, groups, group_of, sources,
-                     lambda v, g: v in cut or any(group_of[j] > g for j in readers.get(v, ())))
+
+    def keep(v: Any, g: int) -> bool:
+        # Only the task that owns an equation hands its results on; a task running it again
+        # reads its own copy.
+        i = producer[v]
+        if group_of[i] != g:
+            return False
+        return v in cut or any(h != g and i not in runs[h] for j in readers.get(v, ())
+                               for h in runs_of[j])
+
+    runs_of: dict[int, list[int]] = defaultdict(list)
+    for g, members in runs.items():
+        for j in members:
+            runs_of[j].append(g)
+    return _programs(jaxpr, split.gradient.consts, eqns, groups, group_of, sources, keep,
+                     again=again)
+
+
+def _recomputed(eqns: Sequence[_Item], group_of: Sequence[int], producer: Mapping[Any, int],
+                big_k: int, policies: Sequence[str], core: Collection[int],
+                ) -> dict[int, list[int]]:
+    """Per backward task, the equations of its forward task it runs again under its stage's
+    remat policy (``policies``, per virtual stage): under ``full`` every one its backward
+    needs, under ``selective`` those of the attention core (``core``: ids of the step's
+    equations) it needs, with the core values they read from each other."""
+    out: dict[int, list[int]] = {}
+    for s, policy in enumerate(policies):
+        if policy == "none":
+            continue
+        b = 2 * big_k - 1 - s
+        allowed = {i for i, g in enumerate(group_of) if g == s and (
+            policy == "full" or (eqns[i].kind == "eqn" and id(eqns[i].eqn) in core))}
+        todo = [producer[v] for i, g in enumerate(group_of) if g == b
+                for v in eqns[i].invars if _is_var(v) and producer.get(v) in allowed]
+        need: set[int] = set()
+        while todo:
+            i = todo.pop()
+            if i in need:
+                continue
+            need.add(i)
+            todo.extend(producer[v] for v in eqns[i].invars
+                        if _is_var(v) and producer.get(v) in allowed)
+        if need:
+            out[b] = sorted(need)
+    return out
 
 
 def update_programs(split: StepSplit, read_at: Mapping[int, int], cut_at: Sequence[int],
@@ -460,17 +522,28 @@ def update_programs(split: StepSplit, read_at: Mapping[int, int], cut_at: Sequen
                     changed = True
     home = [at.get(v, default) for v in jaxpr.invars[:n_state]]
     at = {v: s for v, s in zip(jaxpr.invars, [*home, *cut_at], strict=True)}
+    # Levels: as soon as possible (a crossing starts the next level) gives the number of
+    # levels; then every equation moves to the latest level its readers allow, so a level
+    # holds only what the crossings need (a norm's partial sums, a counter) and everything
+    # else runs in the last level: no parameter-sized value passes between levels.
     level: dict[Any, int] = {}
-    keys: list[tuple[int, int]] = []
+    stages: list[int] = []
     for i, e in enumerate(eqns):
         s = pick(e)
         s = stage_of[i] if s is None else s
         s = default if s is None else s
         lv = max([level[v] + (at[v] != s) for v in e.invars if _is_var(v) and v in level],
                  default=0)
-        keys.append((lv, s))
+        stages.append(s)
         at.update({v: s for v in e.outvars})
         level.update({v: lv for v in e.outvars})
+    last_level = max(level.values(), default=0)
+    latest = [last_level] * len(eqns)
+    for i in range(len(eqns) - 1, -1, -1):
+        for v in eqns[i].outvars:
+            for r in readers.get(v, ()):
+                latest[i] = min(latest[i], latest[r] - (stages[r] != stages[i]))
+    keys = list(zip(latest, stages, strict=True))
     groups = sorted(set(keys), key=lambda g: (g[0], position.get(g[1], len(position)), g[1]))
     index = {g: n for n, g in enumerate(groups)}
     group_of = [index[key] for key in keys]

@@ -13,6 +13,10 @@ and an update part) and :mod:`shardplan.runtime.partition` (both parts cut by st
   stages with ``jax.device_put`` when the reading stage first needs them and are dropped after
   their last reader, so under 1F1B stage ``p`` of ``k`` holds at most ``k - p`` microbatches of
   activations (:attr:`PipelinedStep.peak_microbatches`).
+* **Remat.** A stage's remat policy decides what its forward task hands its backward task
+  (:func:`~shardplan.runtime.partition.gradient_programs`): everything the backward reads
+  (``none``), all but the attention core (``selective``), or only the stage's inputs, the
+  backward running the forward again (``full``).
 * **Accumulation.** Each replica sums its microbatches' cut values (gradients, metrics) on the
   devices that produced them; the sums meet where replica 0 produced them, and the mean-type
   ones are divided by the microbatch count (uneven replica shares weigh by microbatches).
@@ -85,19 +89,27 @@ __all__ = ["PipelinedStep", "placeholder"]
 
 def _labels(step: Callable[..., Any], state: Any, batch: Any,
             ) -> tuple[dict[int, frozenset[str]], list[str],
-                       dict[str, tuple[list[str], frozenset[int]]]]:
+                       dict[str, tuple[list[str], frozenset[int]]], frozenset[int]]:
     """Per top-level equation index of the step's jaxpr at these shapes, the names of the
     layers its ops belong to (:func:`shardplan.trace`; equations with no op, or a loop's:
-    absent); the layers' names in model order; and per block stack, its layers in order (the
-    rows of a scanned stack) and the state leaves they own."""
+    absent); the layers' names in model order; per block stack, its layers in order (the
+    rows of a scanned stack) and the state leaves they own; and the top-level equations
+    whose every op computes attention-core values (what selective remat recomputes:
+    :func:`shardplan.cost.activations.saved_activation_bytes`)."""
+    from shardplan.cost.activations import activation_facts
     from shardplan.trace import trace
 
     graph = trace(step, jax.eval_shape(lambda: state), jax.eval_shape(lambda: batch))
     names = [layer.name for layer in graph.layers]
+    core = activation_facts(graph).core
     out: dict[int, set[str]] = {}
+    in_core: dict[int, bool] = {}
     for op in graph.ops:
         if op.path is not None:
             out.setdefault(op.path[0], set()).update(names[i] for i in op.layers)
+            if op.outputs:
+                in_core[op.path[0]] = in_core.get(op.path[0], True) and all(
+                    core[t] for t in op.outputs)
     paths = [jax.tree_util.keystr(p, simple=True, separator="/")
              for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
     stacks: dict[str, tuple[list[str], set[int]]] = {}
@@ -107,7 +119,8 @@ def _labels(step: Callable[..., Any], state: Any, batch: Any,
             rows.append(layer.name)
             leaves.update(paths.index(p) for p in layer.params if p in paths)
     return ({i: frozenset(x) for i, x in out.items()}, names,
-            {k: (rows, frozenset(leaves)) for k, (rows, leaves) in stacks.items()})
+            {k: (rows, frozenset(leaves)) for k, (rows, leaves) in stacks.items()},
+            frozenset(i for i, c in in_core.items() if c))
 
 
 def placeholder(aval: Any, sharding: jax.sharding.Sharding) -> jax.Array:
@@ -227,6 +240,10 @@ class PipelinedStep:
         self._counts = plan.replica_microbatches
         self._ready: _Prepared | None = None
         self._orders: dict[int, list[tuple[Program, int]]] = {}  # per replica
+        # In the first call: per (stage, program name), the most bytes the driver held on a
+        # device of the stage beside the program's arguments when it ran; and where from.
+        self._beside: dict[tuple[int, str], int] = {}
+        self._holdings: list[Callable[[], Any]] = []
         self._returned: list[Any] = []  # the state leaves the last call returned
         self._located: list[int] = []  # and their stages
         self.peak_microbatches: dict[int, int] = {}
@@ -240,12 +257,14 @@ class PipelinedStep:
         split = split_step(self._step, state, parts[0])
         kinds = (reduction_kinds(self._step, state, parts[0], parts[1], split)
                  if len(parts) > 1 else tuple("mean" for _ in split.cut_avals))
-        labels, layer_order, stacks = _labels(self._step, state, parts[0])
+        labels, layer_order, stacks, core = _labels(self._step, state, parts[0])
         n_state = len(jax.tree.leaves(state))
         chunks = plan.chunks if plan.schedule == "interleaved" else 1
         virtual = [virtual_stages([plan.stages[i].layers for i in r.stages], r.stages,
                                   layer_order, chunks) for r in self._replicas]
-        tasks = [gradient_programs(split, labels, v, n_state, stacks) for v in virtual]
+        remat = {st.index: st.remat for st in plan.stages}
+        tasks = [gradient_programs(split, labels, v, n_state, stacks, remat, core)
+                 for v in virtual]
         shardings = {}
         for st in plan.stages:
             layout = plan.layouts[st.layout] if st.layout else Layout(
@@ -346,11 +365,14 @@ class PipelinedStep:
     def _run(self, prog: Program, name: str, args: list[Any]) -> Any:
         """Runs one program; in the first call, compiles it first (checked against its
         device's memory before it runs); in a clocked call, times it to completion."""
-        if self._compiled is not None and id(prog) not in self._seen:
-            self._seen.add(id(prog))
-            entry = (prog.stage, name, prog.fn.lower(*args).compile())
-            check_fits(self.plan, compiled_figures([entry]))
-            self._compiled.append(entry)
+        if self._compiled is not None:
+            if id(prog) not in self._seen:
+                self._seen.add(id(prog))
+                entry = (prog.stage, name, prog.fn.lower(*args).compile())
+                check_fits(self.plan, compiled_figures([entry]))
+                self._compiled.append(entry)
+            key = (prog.stage, name)
+            self._beside[key] = max(self._beside.get(key, 0), self._held_beside(prog.stage, args))
         if self._stage_busy is None:
             return prog.fn(*args)
         start = time.perf_counter()
@@ -358,6 +380,24 @@ class PipelinedStep:
         busy = self._stage_busy
         busy[prog.stage] = busy.get(prog.stage, 0.0) + time.perf_counter() - start
         return out
+
+    def _held_beside(self, stage: int, args: list[Any]) -> int:
+        """Bytes one device of ``stage`` holds, in arrays the driver keeps (state copies,
+        values between tasks, batches, sums), that are not among ``args``: what the device
+        holds beside a program's own figure while it runs."""
+        device = self._meshes[stage].devices.flat[0]
+        mine = {id(a) for a in jax.tree.leaves(args)}
+        seen: set[int] = set()
+        total = 0
+        for held in self._holdings:
+            for x in jax.tree.leaves(held()):
+                if (not isinstance(x, jax.Array) or id(x) in mine or id(x) in seen
+                        or x.is_deleted() or device not in x.sharding.device_set):
+                    continue
+                seen.add(id(x))
+                total += int(np.prod(x.sharding.shard_shape(x.shape), dtype=np.int64)
+                             ) * x.dtype.itemsize
+        return total
 
     def __call__(self, state: Any, batch: Any) -> Any:
         first = self._ready is None
@@ -373,9 +413,13 @@ class PipelinedStep:
             self._stage_busy = {}
         out, done = timer.run(lambda: self._call(state, batch))
         if self._compiled is not None:
-            self.plan = dataclasses.replace(self.plan,
-                                            compiled=compiled_figures(self._compiled))
+            figures = compiled_figures(self._compiled)
+            for program in figures["programs"]:
+                program["beside_bytes"] = self._beside.get(
+                    (program["stage"], program["name"]), 0)
+            self.plan = dataclasses.replace(self.plan, compiled=figures)
             self._compiled = None
+            self._holdings = []
         if clocked:
             busy, self._stage_busy = self._stage_busy or {}, None
             if done:
@@ -397,6 +441,7 @@ class PipelinedStep:
         placed = self._place(ready, jax.tree.leaves(state))
         cut_index = {v: i for i, v in enumerate(split.gradient.jaxpr.outvars)}
         sums: list[Any] = [None] * len(cut_index)
+        self._holdings = [lambda: list(placed.values()), lambda: sums]
         first = 0
         for r, count in enumerate(self._counts):
             local, at = self._run_replica(r, ready, placed, parts[first:first + count],
@@ -430,6 +475,7 @@ class PipelinedStep:
                                                                             strict=True))}
         made: dict[Any, int] = {("cut", i): s for i, s in enumerate(ready.cut_at)}
         avals = {("cut", i): a for i, a in enumerate(split.cut_avals)}
+        self._holdings.append(lambda: list(store.values()))
 
         def fetch(key: Any, aval: Any, dst: int) -> Any:
             if (key, dst) not in store:
@@ -482,6 +528,9 @@ class PipelinedStep:
         values = _Values(tasks, virtual.count, mover)
         batches: dict[tuple[int, int], list[Any]] = {}
         sums: dict[int, list[Any]] = {}  # task key -> its cut outputs' running sums
+        holdings = [lambda: list(values.copies.values()), lambda: list(batches.values()),
+                    lambda: list(sums.values())]
+        self._holdings += holdings
         owned: set[int] = set()  # the task keys whose sums no one else holds
         if r not in self._orders:
             self._orders[r] = self._issue_order(r, tasks, virtual)
@@ -507,6 +556,8 @@ class PipelinedStep:
                     owned.add(task.key)
             self.peak_microbatches[s] = max(self.peak_microbatches.get(s, 0),
                                             values.saved_microbatches(s))
+        for holding in holdings:  # the sums go on as the step's; the rest is dropped here
+            self._holdings.remove(holding)
         local: list[Any] = [None] * len(cut_index)
         at = [0] * len(cut_index)
         for task in tasks:
