@@ -1,0 +1,126 @@
+"""Pipeline plans' memory per stage: predicted, compiled, and held on the device.
+
+Issue 21 asks that a pipeline stage run in the memory it was planned for. For the tiny GPT
+and Llama, as Python loops and as ``nnx.scan`` stacks (4 blocks), planned on 4 A100 + 4 V100
+(emulated on 8 CPU devices) under budgets that are fractions of the one-stage replica's
+predicted peak, this script runs three steps of each plan and prints, per stage:
+
+* ``predicted``: the plan's per-device peak (the stage planner's ``state + in_flight x mb x
+  activation``);
+* ``compiled``: the largest of the stage's programs as XLA compiled it (``memory_analysis``:
+  arguments + outputs + temporaries - aliased);
+* ``held``: the most one device of the stage held while a program ran: the program's own figure
+  plus the arrays the pipeline driver kept beside it (optimizer state, gradient sums, other
+  microbatches' saved values), as ``plan.compiled`` records it in the first step;
+* ``live``: the bytes of the arrays the runtime holds on the device after the third step (the
+  state it returned; measured with ``jax.live_arrays``, the reference step's arrays excluded).
+
+and the ratios to the prediction and to the budget. Writes
+``benchmarks/results/pipeline_memory.json``.
+
+Usage: ``python benchmarks/pipeline_memory.py [--fractions 0.6 0.4 0.3]``
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse
+import json
+import platform
+import warnings
+from collections import defaultdict
+from pathlib import Path
+
+import jax
+
+import models
+import shardplan as sp
+
+RESULTS = Path(__file__).resolve().parent / "results" / "pipeline_memory.json"
+CASES = {"gpt loop": ("gpt-tiny", {}), "gpt scan": ("gpt-tiny-scan", {}),
+         "llama loop": ("llama-tiny", {}), "llama scan": ("llama-tiny", {"scan_layers": True})}
+BATCH = 16
+
+
+def _live_bytes(arrays: list[jax.Array]) -> dict[int, int]:
+    out: dict[int, int] = defaultdict(int)
+    for x in arrays:
+        for shard in x.addressable_shards:
+            out[shard.device.id] += shard.data.nbytes
+    return out
+
+
+def run_case(name: str, fraction: float) -> dict:
+    preset, overrides = CASES[name]
+    config = models.load_model_config(preset, overrides={"n_layers": 4, **overrides})
+    graphdef, state = models.init_train_state(config, seed=0)
+    step = models.make_train_step(graphdef)
+    shapes = (jax.eval_shape(lambda: state),
+              jax.eval_shape(lambda: models.example_batch(config, BATCH, seed=0)))
+    cluster = sp.Cluster.local(types={"a100-80g": 4, "v100-32g": 4})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        one = sp.make_plan(step, *shapes, cluster=cluster, config=sp.PlanConfig(max_stages=1))
+        budget = fraction * max(one.predicted.memory_bytes.values())
+        plan = sp.make_plan(step, *shapes, cluster=cluster,
+                            config=sp.PlanConfig(memory_budget_bytes=budget, pipeline=True))
+    run = sp.apply_plan(step, plan, measure_steps=0)
+    before = {id(x) for x in jax.live_arrays()}
+    for i in range(3):
+        state, _ = run(state, models.example_batch(config, BATCH, seed=i))
+    jax.block_until_ready(state)
+    live = _live_bytes([x for x in jax.live_arrays() if id(x) not in before])
+    plan = run.plan
+    programs = defaultdict(list)
+    for p in plan.compiled["programs"]:
+        programs[p["stage"]].append(p)
+    stages = []
+    for st in plan.stages:
+        predicted = max(plan.predicted.memory_bytes.get(d, 0) for d in st.mesh.device_ids)
+        largest = max(programs[st.index], key=lambda p: p["memory_bytes"])
+        held = max(p["memory_bytes"] + p["beside_bytes"] for p in programs[st.index])
+        stages.append({
+            "stage": st.index, "device_type": st.device_type, "devices": st.mesh.num_devices,
+            "layers": [n for n in st.layers if n != "shared"], "remat": st.remat,
+            "predicted_bytes": predicted, "compiled_bytes": largest["memory_bytes"],
+            "compiled_program": largest["name"], "held_bytes": held,
+            "live_bytes": max(live.get(d, 0) for d in st.mesh.device_ids)})
+    return {"case": name, "fraction": fraction, "budget_bytes": budget,
+            "replicas": [len(r.stages) for r in plan.replicas], "schedule": plan.schedule,
+            "microbatch_size": plan.microbatch_size, "stages": stages}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--fractions", type=float, nargs="+", default=[0.6, 0.4, 0.3])
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    args = parser.parse_args()
+    rows = []
+    print(f"{'case':<11}{'budget':>6}{'stage':>6} {'remat':<10}{'predicted':>10}{'compiled':>10}"
+          f"{'held':>10}{'live':>10}{'comp/pred':>10}{'held/pred':>10}{'held/budget':>12}")
+    for case in args.cases:
+        for fraction in args.fractions:
+            row = run_case(case, fraction)
+            rows.append(row)
+            for s in row["stages"]:
+                p = s["predicted_bytes"]
+                print(f"{case:<11}{fraction:>6.2f}{s['stage']:>6} {s['remat']:<10}"
+                      f"{p:>10,}{s['compiled_bytes']:>10,}{s['held_bytes']:>10,}"
+                      f"{s['live_bytes']:>10,}{s['compiled_bytes'] / p:>10.2f}"
+                      f"{s['held_bytes'] / p:>10.2f}"
+                      f"{s['held_bytes'] / row['budget_bytes']:>12.2f}", flush=True)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({
+        "benchmark": "pipeline_memory", "jax": jax.__version__, "batch": BATCH, "rows": rows,
+        "machine": {"cores": os.cpu_count(), "python": platform.python_version()},
+    }, indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
