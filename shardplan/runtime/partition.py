@@ -34,7 +34,6 @@ where the parameters live and only small values (norms, scales, counters) move.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -394,29 +393,24 @@ def gradient_programs(split: StepSplit, labels: Mapping[int, frozenset[str]],
     groups = [(o, virtual.stages[virtual.position[o if o < big_k else 2 * big_k - 1 - o]])
               for o in range(2 * big_k)]
     group_of = [int(o) for o in order if o is not None]
+    core_ids = set(core)
     again = _recomputed(eqns, group_of, producer, big_k, [
         (remat or {}).get(virtual.stages[virtual.position[s]], "none") for s in range(big_k)],
-        {id(e) for i, e in enumerate(jaxpr.eqns) if split.gradient_index[i] in set(core)})
-    runs: dict[int, set[int]] = defaultdict(set)
-    for i, g in enumerate(group_of):
-        runs[g].add(i)
+        {id(e) for i, e in enumerate(jaxpr.eqns) if split.gradient_index[i] in core_ids})
+    # Per equation, the tasks that run it: its own, and those running it again.
+    runs_of: dict[int, set[int]] = {i: {g} for i, g in enumerate(group_of)}
     for g, extra in again.items():
-        runs[g].update(extra)
+        for i in extra:
+            runs_of[i].add(g)
     cut = set(jaxpr.outvars)
 
     def keep(v: Any, g: int) -> bool:
-        # Only the task that owns an equation hands its results on; a task running it again
-        # reads its own copy.
+        # Only the task that owns an equation hands its results on, to the tasks that read
+        # them without running the equation themselves.
         i = producer[v]
-        if group_of[i] != g:
-            return False
-        return v in cut or any(h != g and i not in runs[h] for j in readers.get(v, ())
-                               for h in runs_of[j])
+        return group_of[i] == g and (v in cut or any(
+            h != g and h not in runs_of[i] for j in readers.get(v, ()) for h in runs_of[j]))
 
-    runs_of: dict[int, list[int]] = defaultdict(list)
-    for g, members in runs.items():
-        for j in members:
-            runs_of[j].append(g)
     return _programs(jaxpr, split.gradient.consts, eqns, groups, group_of, sources, keep,
                      again=again)
 

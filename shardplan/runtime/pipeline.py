@@ -241,7 +241,8 @@ class PipelinedStep:
         self._ready: _Prepared | None = None
         self._orders: dict[int, list[tuple[Program, int]]] = {}  # per replica
         # In the first call: per (stage, program name), the most bytes the driver held on a
-        # device of the stage beside the program's arguments when it ran; and where from.
+        # device of the stage beside the program's arguments when it ran; and the driver's
+        # containers of arrays to count (set per call).
         self._beside: dict[tuple[int, str], int] = {}
         self._holdings: list[Callable[[], Any]] = []
         self._returned: list[Any] = []  # the state leaves the last call returned
