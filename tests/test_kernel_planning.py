@@ -5,6 +5,8 @@ the unsharded step."""
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -95,13 +97,25 @@ def _kernels_split_legally(plan, graph) -> list:
     return kernels
 
 
-def _same_three_steps(step, plan, state, batch) -> None:
-    run = sp.apply_plan(step, plan)
+# On XLA:CPU a Pallas kernel runs in interpret mode: its grid becomes loops over its blocks,
+# with buffers the memory model, which prices the call as one op on its operands and
+# results, does not see. The compiled program then exceeds the prediction by more than the
+# 10 % verification warns at (the attention test model: 1.26x; the MoE model: 1.94x).
+INTERPRETED_KERNELS = r"compiled to .* the stage's predicted peak"
+
+
+def _same_three_steps(step, plan, state, batch, *, over: bool = False) -> None:
+    expected = (pytest.warns(sp.ShardplanWarning, match=INTERPRETED_KERNELS) if over
+                else contextlib.nullcontext())
+    with expected:
+        run = sp.apply_plan(step, plan)
+        ours, m1 = run(state, batch)
     reference = jax.jit(step)
-    ours, theirs = state, state
-    for _ in range(3):
-        ours, m1 = run(ours, batch)
-        theirs, m2 = reference(theirs, batch)
+    theirs, m2 = reference(state, batch)
+    for i in range(3):
+        if i:
+            ours, m1 = run(ours, batch)
+            theirs, m2 = reference(theirs, batch)
         np.testing.assert_allclose(float(m1["loss"]), float(m2["loss"]), rtol=1e-4, atol=1e-4)
     for x, y in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-4)
@@ -120,7 +134,7 @@ def test_the_plan_splits_the_kernel_only_on_batch_and_heads_and_runs_it_split(
         return real(name, *args)
 
     monkeypatch.setattr(constrain, "_split_kernel", counting)
-    _same_three_steps(_step, plan, params, batch)
+    _same_three_steps(_step, plan, params, batch, over=True)
     assert sorted(set(calls)) == sorted(op.attrs["kernel"] for op in kernels)
 
 
@@ -141,7 +155,7 @@ def test_tiny_models_on_the_pallas_paths_split_kernels_legally_and_equal_unshard
     names = {op.attrs["kernel"] for op in kernels}
     assert "shardplan_kernel__flash_attention_fwd" in names
     assert ("shardplan_kernel__grouped_matmul_fwd" in names) == (preset == "moe-tiny")
-    _same_three_steps(step, plan, state, batch)
+    _same_three_steps(step, plan, state, batch, over=preset == "moe-tiny")
 
 
 def test_a_call_recorded_with_other_options_at_one_shape_is_not_split() -> None:

@@ -50,13 +50,17 @@ def test_block_figures(unrolled) -> None:
     assert block.boundary_bytes == config.max_seq_len * config.d_model * 4
     assert block.gradient_bytes == layer.param_bytes
     (a100, _), (v100,) = block.options[0], block.options[1]
-    # One device holds parameters, gradients and both Adam moments.
-    assert a100.state_bytes == v100.state_bytes == 4 * layer.param_bytes
+    # One device holds parameters, both Adam moments and two gradient copies (the sums and
+    # one microbatch's fresh gradients before they are added).
+    assert a100.state_bytes == v100.state_bytes == 5 * layer.param_bytes
     # The V100 is slower (lower peak FLOP/s and bandwidth).
     assert v100.forward_s[1] > a100.forward_s[1] > 0
     assert v100.backward_s[1] > a100.backward_s[1] > a100.forward_s[1]
     act = a100.activation_bytes
     assert act["none"] > act["selective"] > act["full"] == block.boundary_bytes
+    # The backward recomputes what a policy does not keep, and makes its own transients.
+    assert a100.recompute_bytes == {p: act["none"] - act[p] for p in act}
+    assert 0 < a100.work_bytes < act["none"]
     rc = a100.recompute_s
     assert rc["none"] == (0.0, 0.0)
     assert 0 < rc["selective"][1] < rc["full"][1] <= a100.forward_s[1]

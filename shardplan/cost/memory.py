@@ -50,6 +50,7 @@ from shardplan.cost.activations import (
     ActivationFacts,
     RematPolicy,
     activation_facts,
+    backward_work_bytes,
     saved_activation_bytes,
     saved_activation_bytes_by_layer,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "MemoryEstimate",
     "RematPolicy",
     "activation_facts",
+    "backward_work_bytes",
     "buffer_tensors",
     "estimate_memory",
     "in_memory_tensors",

@@ -42,7 +42,11 @@ from shardplan.cluster.mesh import LogicalMesh
 from shardplan.cost.compute import (
     VIEW_PRIMITIVES,
 )
-from shardplan.cost.memory import activation_facts, saved_activation_bytes_by_layer
+from shardplan.cost.memory import (
+    activation_facts,
+    backward_work_bytes,
+    saved_activation_bytes_by_layer,
+)
 from shardplan.cost.rules import OpRule
 from shardplan.cost.sharding import ShardingAnalysis, analyze_sharding, leaf_specs
 from shardplan.planner.fold import Fold, expand, fold_blocks
@@ -329,6 +333,10 @@ class _Readback:
         # the layer's input only), per sample: weight casts and other batch-independent
         # values are not activations.
         saved = saved_activation_bytes_by_layer(graph, local, facts=self.activation_facts)
+        # What a stage's backward program holds beside them: the forward values it computes
+        # again (full: all the forward would keep; selective: the attention core) and its
+        # own transient buffers.
+        work = backward_work_bytes(graph, local, facts=self.activation_facts)
         out: dict[int, LayerOption] = {}
         for i in self.layers:
             out[i] = LayerOption(
@@ -338,7 +346,10 @@ class _Readback:
                 recompute_s={p: (0.0, recompute[(i, p)] / batch) for p in REMATS},
                 activation_bytes={p: saved[i][p] / batch for p in REMATS},
                 state_bytes=state.get(i, 0.0),
-                update_s=phase[(i, "update")])
+                update_s=phase[(i, "update")],
+                recompute_bytes={p: (saved[i]["none"] - saved[i][p]) / batch
+                                 for p in REMATS},
+                work_bytes=work.get(i, 0) / batch)
         return out
 
 
@@ -386,9 +397,10 @@ def _dropped_by(graph: OpGraph, policy: str) -> set[int]:
 
 def _state_bytes(graph: OpGraph, local, layers: Collection[int] | None = None
                  ) -> dict[int, float]:
-    """Per layer (of ``layers``, default all), bytes one device holds of its parameters, their
-    gradients (as large as the parameters) and their optimizer state; a stacked leaf (a
-    scanned stack's) is split evenly over the layers that own it."""
+    """Per layer (of ``layers``, default all), bytes one device holds of its parameters, two
+    copies of their gradients (the sums over the microbatches, and one microbatch's fresh
+    gradients before they are added) and their optimizer state; a stacked leaf (a scanned
+    stack's) is split evenly over the layers that own it."""
     owners: dict[str, list[int]] = defaultdict(list)
     for layer in graph.layers:
         for owned in layer.params:
@@ -400,7 +412,7 @@ def _state_bytes(graph: OpGraph, local, layers: Collection[int] | None = None
         path = p.param_path if p.role == "optimizer_state" else p.path
         if p.role not in ("parameter", "optimizer_state") or path is None or path not in owners:
             continue
-        nbytes = local(p.tensor) * (2 if p.role == "parameter" else 1)  # + its gradient
+        nbytes = local(p.tensor) * (3 if p.role == "parameter" else 1)  # + two gradients
         for index in owners[path]:
             out[index] += nbytes / len(owners[path])
     return out

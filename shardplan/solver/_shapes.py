@@ -29,6 +29,7 @@ from shardplan.solver.pipeline import (
     group_link,
     period_1f1b,
     stage_link,
+    stage_work,
 )
 
 __all__ = ["UNLIMITED", "Budget", "SearchTimeout", "Shape", "replica_shapes", "shape_dominates", "shape_of",
@@ -156,7 +157,8 @@ class _Types:
                                             for e in by_group[g]))
                           for g, ds in by_group.items() for d in ds}
         self._hops: dict[tuple, float] = {}
-        # per type, per layer: (seconds, state, activation, update, gradient / devices)
+        # per type, per layer: (seconds, state, activation, update, gradient / devices,
+        # recomputed bytes, working bytes)
         self.per_layer: list[list[tuple[float, ...] | None]] = []
         for g, d, r in self.types:
             row: list[tuple[float, ...] | None] = []
@@ -170,7 +172,8 @@ class _Types:
                                                               * mb)
                 t += o.recompute_s[r][0] + o.recompute_s[r][1] * mb
                 row.append((t, o.state_bytes, o.activation_bytes[r], o.update_s,
-                            kind.gradient_bytes / d))
+                            kind.gradient_bytes / d, o.recompute_bytes.get(r, 0.0),
+                            o.work_bytes))
             self.per_layer.append(row)
 
     def hop(self, g: int, d: int, cls: tuple, last: int) -> float:
@@ -189,9 +192,11 @@ class _Types:
         return self._hops[key]
 
     def sums(self, ti: int, layers: Sequence[int]) -> tuple[float, ...] | None:
-        """``(seconds, state, activation, update, sigma)`` of type ``ti`` over ``layers`` in
-        order (the order :func:`~shardplan.solver.pipeline.evaluate_pipeline` sums in)."""
-        t = st = ac = up = sg = 0.0
+        """``(seconds, held, activation, update, sigma)`` of type ``ti`` over ``layers`` in
+        order (the order :func:`~shardplan.solver.pipeline.evaluate_pipeline` sums in);
+        ``held`` is the state plus one backward program's working bytes
+        (:func:`~shardplan.solver.pipeline.stage_held` with no microbatch in flight)."""
+        t = st = ac = up = sg = rc = wk = 0.0
         row = self.per_layer[ti]
         for layer in layers:
             v = row[layer]
@@ -202,7 +207,9 @@ class _Types:
             ac += v[2]
             up += v[3]
             sg += v[4]
-        return t, st, ac, up, sg
+            rc += v[5]
+            wk = max(wk, v[6])
+        return t, st + self.mb * stage_work(rc, wk), ac, up, sg
 
     def runs(self, ti: int, mem: float) -> list[list[tuple[float, ...]]]:
         """Per first layer ``i``, the sums of ``[i, i + L)`` for ``L = 1, 2, ...`` while the
@@ -219,7 +226,7 @@ class _Types:
                     i + 1:i + size + 2]:
                 out[i] = nxt
                 continue
-            t = st = ac = up = sg = 0.0
+            t = st = ac = up = sg = rc = wk = 0.0
             acc: list[tuple[float, ...]] = []
             for j in range(i, n):
                 v = row[j]
@@ -230,9 +237,12 @@ class _Types:
                 ac += v[2]
                 up += v[3]
                 sg += v[4]
-                if st + 1.0 * mb * ac > mem:
+                rc += v[5]
+                wk = max(wk, v[6])
+                held = st + mb * stage_work(rc, wk)
+                if held + 1.0 * mb * ac > mem:
                     break
-                acc.append((t, st, ac, up, sg))
+                acc.append((t, held, ac, up, sg))
             out[i] = acc
         return out
 

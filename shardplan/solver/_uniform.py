@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from shardplan.solver._shapes import Shape, _Types, shape_timing, stage_cap
-from shardplan.solver.pipeline import PipelineProblem, Schedule, StagePlacement
+from shardplan.solver.pipeline import PipelineProblem, Schedule, StagePlacement, stage_work
 
 __all__ = ["Family"]
 
@@ -32,13 +32,15 @@ class _Stages:
         row = types.per_layer[ti][0]
         assert row is not None
         memory = problem.groups[types.types[ti][0]].memory_bytes
-        t = st = ac = up = sg = 0.0
+        t = st = ac = up = sg = rc = wk = 0.0
         self.sums = [(0.0, 0.0, 0.0, 0.0, 0.0)]
         self.most = [NO_LIMIT]
         for _ in range(n):
             t, st, ac, up, sg = t + row[0], st + row[1], ac + row[2], up + row[3], sg + row[4]
-            self.sums.append((t, st, ac, up, sg))
-            self.most.append(_most_in_flight(st, ac, mb, memory))
+            rc, wk = rc + row[5], max(wk, row[6])
+            held = st + mb * stage_work(rc, wk)  # the state and one backward's work
+            self.sums.append((t, held, ac, up, sg))
+            self.most.append(_most_in_flight(held, ac, mb, memory))
         # longest[f]: the most layers that fit with f microbatches in flight (``most`` only
         # falls as layers are added)
         self.longest = [0] * (n + 2)
@@ -61,7 +63,8 @@ class _Stages:
 
 
 def _most_in_flight(state: float, activation: float, mb: int, memory: float) -> int:
-    """The largest ``f`` with ``state + float(f) * mb * activation <= memory``."""
+    """The largest ``f`` with ``state + float(f) * mb * activation <= memory`` (``state``:
+    the stage's state and one backward's working bytes)."""
     if state > memory:
         return -1
     if activation <= 0:

@@ -93,6 +93,8 @@ from shardplan.solver.pipeline import (
     Schedule,
     StagePlacement,
     in_flight,
+    stage_held,
+    stage_work,
 )
 
 __all__ = [
@@ -135,6 +137,9 @@ class _Prefix:
     activation_bytes: tuple[float, ...]
     update_s: tuple[float, ...]
     missing: tuple[int, ...]
+    recompute_bytes: tuple[float, ...] = ()
+    layer_work_bytes: tuple[float, ...] = ()
+    """Per layer (not a prefix sum): its ``work_bytes``."""
 
     def ok(self, a: int, b: int) -> bool:
         return self.missing[b] == self.missing[a]
@@ -149,9 +154,14 @@ class _Prefix:
     def activation(self, a: int, b: int) -> float:
         return self.activation_bytes[b] - self.activation_bytes[a]
 
+    def work(self, a: int, b: int) -> float:
+        """One backward program's working bytes per sample (:func:`stage_work`)."""
+        return stage_work(self.recompute_bytes[b] - self.recompute_bytes[a],
+                          max(self.layer_work_bytes[a:b], default=0.0))
+
     def held(self, a: int, b: int, mb: int, flight: float) -> float:
         """Bytes per device of one stage holding ``flight`` microbatches of ``mb``."""
-        return self.state(a, b) + flight * mb * self.activation(a, b)
+        return stage_held(self.state(a, b), self.activation(a, b), self.work(a, b), mb, flight)
 
     def update(self, a: int, b: int) -> float:
         return self.update_s[b] - self.update_s[a]
@@ -168,22 +178,25 @@ class _Tables:
         key = (group, devices, remat)
         if key not in self._cache:
             p = self.problem
-            sums = [[0.0] for _ in range(5)]
+            sums = [[0.0] for _ in range(6)]
             missing = [0]
+            work = []
             for k in p.layers:
                 o = p.kinds[k].option(group, devices)
                 if o is None:
-                    values = (0.0, 0.0, 0.0, 0.0, 0.0)
+                    values = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
                 else:
                     values = (o.forward_s[0] + o.backward_s[0] + o.recompute_s[remat][0],
                               o.forward_s[1] + o.backward_s[1] + o.recompute_s[remat][1],
-                              o.state_bytes, o.activation_bytes[remat], o.update_s)
+                              o.state_bytes, o.activation_bytes[remat], o.update_s,
+                              o.recompute_bytes.get(remat, 0.0))
                 for s, x in zip(sums, values, strict=True):
                     s.append(s[-1] + x)
                 missing.append(missing[-1] + (o is None))
-            fixed, per_sample, state, activation, update = (tuple(s) for s in sums)
+                work.append(o.work_bytes if o is not None else 0.0)
+            fixed, per_sample, state, activation, update, recompute = (tuple(s) for s in sums)
             self._cache[key] = _Prefix(fixed, per_sample, state, activation, update,
-                                       tuple(missing))
+                                       tuple(missing), recompute, tuple(work))
         return self._cache[key]
 
 
@@ -508,7 +521,7 @@ class _Grid:
     tables: _Tables
     objective: RunObjective
     memo: dict[tuple[Any, ...], _StageFigures | None]
-    stage_memo: dict[tuple[Any, ...], tuple[float, float, float, float, float] | None]
+    stage_memo: dict[tuple[Any, ...], tuple[float, float, float, float, float, float] | None]
 
 
 def _megatron_candidates(grid: _Grid, d: int, k: int, runs: list[tuple[tuple[int, ...], int]],
@@ -554,6 +567,7 @@ class _StageFigures:
     state_bytes: tuple[float, ...]
     activation_bytes: tuple[float, ...]
     update_s: float
+    work_bytes: tuple[float, ...] = ()
 
 
 def _megatron_point(grid: _Grid, d: int, k: int, runs: list[tuple[tuple[int, ...], int]],
@@ -602,7 +616,8 @@ def _megatron_point(grid: _Grid, d: int, k: int, runs: list[tuple[tuple[int, ...
         x = figures[sig]
         for i, g in enumerate(sig):
             flight = in_flight(schedule, i, k, m, v)
-            held = x.state_bytes[i] + flight * mb * x.activation_bytes[i]
+            held = stage_held(x.state_bytes[i], x.activation_bytes[i], x.work_bytes[i], mb,
+                              flight)
             if not _fits(held, problem.groups[g].memory_bytes):
                 return
     pipe = max(cost[sig][0] / v + (m - 1) * cost[sig][1] for sig, _, m in rows)
@@ -627,7 +642,7 @@ def _signature_figures(grid: _Grid, sig: tuple[int, ...], d: int, remat: Remat,
                        stage_ranges: list[tuple[tuple[int, int], ...]]) -> _StageFigures | None:
     """The :class:`_StageFigures` of one replica signature (its group per stage; stage ``i``
     holds the layer ranges ``stage_ranges[i]``), or ``None`` when some stage lacks an option."""
-    fixed, per, state, act = [], [], [], []
+    fixed, per, state, act, work = [], [], [], [], []
     upd = 0.0
     for g, ranges in zip(sig, stage_ranges, strict=True):
         key = (g, d, remat, ranges)
@@ -639,6 +654,9 @@ def _signature_figures(grid: _Grid, sig: tuple[int, ...], d: int, remat: Remat,
                 sum(pre.state(a, b) for a, b in ranges),
                 sum(pre.activation(a, b) for a, b in ranges),
                 sum(pre.update(a, b) for a, b in ranges),
+                stage_work(sum(pre.recompute_bytes[b] - pre.recompute_bytes[a]
+                               for a, b in ranges),
+                           max(max(pre.layer_work_bytes[a:b], default=0.0) for a, b in ranges)),
             ) if all(pre.ok(a, b) for a, b in ranges) else None
         sums = grid.stage_memo[key]
         if sums is None:
@@ -648,7 +666,8 @@ def _signature_figures(grid: _Grid, sig: tuple[int, ...], d: int, remat: Remat,
         state.append(sums[2])
         act.append(sums[3])
         upd = max(upd, sums[4])
-    return _StageFigures(tuple(fixed), tuple(per), tuple(state), tuple(act), upd)
+        work.append(sums[5])
+    return _StageFigures(tuple(fixed), tuple(per), tuple(state), tuple(act), upd, tuple(work))
 
 
 # --------------------------------------------------------------------------------------------

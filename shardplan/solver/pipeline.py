@@ -14,8 +14,10 @@ layer kind ``k`` on a sub-mesh of ``d`` devices of group ``g`` costs what
 ``kinds[k].options[g]`` says for the option with ``devices == d`` (the intra-op solution on that
 sub-mesh): forward and backward seconds per microbatch as ``fixed + per_sample * mb`` (``mb``
 the microbatch size in samples), the extra backward seconds of each remat policy, the bytes of
-saved activations per sample per device under each policy, the static bytes per device
-(parameters, gradients, optimizer state), and the optimizer update's seconds per step.
+saved activations per sample per device under each policy, the backward pass's working bytes
+per sample (the forward values it recomputes under each policy, and the buffers it makes and
+frees), the static bytes per device (parameters, two gradient copies, optimizer state), and
+the optimizer update's seconds per step.
 
 A **plan** (:class:`PipelinePlan`) is one or more **replicas** (data-parallel copies of the
 model; they may differ in structure and device types). A replica is a sequence of **stages**;
@@ -33,8 +35,11 @@ Feasibility (:func:`check_pipeline` lists every violation):
 * each stage's group has an option of ``devices`` devices for every layer kind it runs;
 * per group, the devices of all stages of all replicas add up to at most ``count``;
 * stage memory (per device) fits ``memory_bytes``:
-  ``state + in_flight * mb * activation`` where ``state`` and ``activation`` sum over the
-  stage's layers (activation under the stage's remat), and ``in_flight`` is
+  ``state + mb * (in_flight * activation + work)`` where ``state`` and ``activation`` sum
+  over the stage's layers (activation under the stage's remat), ``work`` is the most of the
+  stage's summed ``recompute_bytes`` (under its remat) and its layers' largest
+  ``work_bytes`` (:func:`stage_work`: one backward program's transient buffers, over the
+  activations of the microbatches it holds), and ``in_flight`` is
   ``m`` (GPipe), ``min(m, k - i)`` (1F1B, stage ``i`` of ``k``, 0-based) or, interleaved,
   ``min(m v, 2 (k - i - 1) + (v - 1) k + 1) / v`` (Megatron's warm-up chunks plus one, in
   units of the whole stage's activations; :func:`in_flight`);
@@ -117,8 +122,10 @@ __all__ = [
     "period_1f1b",
     "replica_time",
     "slowest_link",
+    "stage_held",
     "stage_link",
     "stage_sigma",
+    "stage_work",
     "sync_link",
     "sync_s",
 ]
@@ -180,8 +187,16 @@ class LayerOption:
         recomputed forward); ``none`` is ``(0, 0)``.
       activation_bytes: per remat policy, bytes saved for the backward pass per sample, per
         device.
-      state_bytes: parameters, gradients and optimizer state per device.
+      state_bytes: per device, the parameters, their optimizer state, and two gradient
+        copies: the sums over the microbatches and one microbatch's fresh gradients before
+        they are added.
       update_s: the optimizer update per step.
+      recompute_bytes: per remat policy, the forward buffers the backward pass computes again
+        per sample, per device (``none``: 0; ``full``: all it would otherwise save); a
+        stage's backward program holds its layers' together.
+      work_bytes: the buffers the backward pass makes and frees while it runs this layer, at
+        their peak, per sample, per device; a stage's backward program holds the largest of
+        its layers'.
     """
 
     devices: int
@@ -191,6 +206,16 @@ class LayerOption:
     activation_bytes: Mapping[str, float]
     state_bytes: float
     update_s: float
+    recompute_bytes: Mapping[str, float] = field(default_factory=dict)
+    work_bytes: float = 0.0
+
+
+def stage_work(recompute: float, work: float) -> float:
+    """A stage's backward working bytes per sample beside its saved activations: the most of
+    its layers' summed ``recompute_bytes`` (the recomputed forward values, live together
+    when the backward starts) and their largest ``work_bytes`` (the transient buffers of one
+    layer's backward)."""
+    return max(recompute, work)
 
 
 @dataclass(frozen=True)
@@ -324,6 +349,13 @@ class PipelineEvaluation:
     @property
     def feasible(self) -> bool:
         return not self.violations
+
+
+def stage_held(state: float, activation: float, work: float, mb: int, flight: float) -> float:
+    """Bytes per device of a stage holding ``flight`` microbatches of ``mb`` samples: its
+    state, their saved activations and one backward program's working bytes (the module
+    docstring). Every memory check of the stage planner computes it so, to the bit."""
+    return (state + mb * work) + flight * mb * activation
 
 
 def in_flight(schedule: Schedule, stage: int, stages: int, microbatches: int,
@@ -535,9 +567,10 @@ def _layer_order(stages: Sequence[StagePlacement], chunks: int) -> list[int]:
             for layer in stages[i].layers[c * size:(c + 1) * size]]
 
 
-_StageSums = tuple[float, float, float, float]
+_StageSums = tuple[float, float, float, float, float]
 """One stage's seconds per microbatch, state bytes, activation bytes per sample and update
-seconds, each summed over its layers (:func:`_stage_sums`)."""
+seconds, each summed over its layers, and its working bytes per sample (:func:`stage_work`)
+(:func:`_stage_sums`)."""
 
 
 def _stage_sums(problem: PipelineProblem, stage: StagePlacement, mb: int) -> _StageSums:
@@ -549,7 +582,9 @@ def _stage_sums(problem: PipelineProblem, stage: StagePlacement, mb: int) -> _St
                   + _linear(o.recompute_s[stage.remat], mb) for o in opts if o)
     state = sum(o.state_bytes for o in opts if o)
     activation = sum(o.activation_bytes[stage.remat] for o in opts if o)
-    return seconds, state, activation, sum(o.update_s for o in opts if o)
+    work = stage_work(sum(o.recompute_bytes.get(stage.remat, 0.0) for o in opts if o),
+                      max((o.work_bytes for o in opts if o), default=0.0))
+    return seconds, state, activation, sum(o.update_s for o in opts if o), work
 
 
 @dataclass(frozen=True)
@@ -596,10 +631,11 @@ def _replica_figures(problem: PipelineProblem, stages: tuple[StagePlacement, ...
         key = (stage, mb)
         if key not in sums:
             sums[key] = _stage_sums(problem, stage, mb)
-        seconds, state, activation, stage_update = sums[key]
+        seconds, state, activation, stage_update, work = sums[key]
         t.append(seconds)
         update = max(update, stage_update)
-        held = state + in_flight(schedule, i, k, microbatches, chunks) * mb * activation
+        held = stage_held(state, activation, work, mb,
+                          in_flight(schedule, i, k, microbatches, chunks))
         mem.append(held)
         if held > problem.groups[stage.group].memory_bytes:
             over.append(i)

@@ -46,7 +46,9 @@ The model
   update (the sum of its layers' ``update_s``) as soon as its own group has finished.
 * **Memory.** A forward stores its chunk's activations (``mb * activation_bytes[remat]``
   summed over the chunk's layers) when it starts; the matching backward frees them when it
-  ends. The peak per device is the state bytes plus the largest sum held at once.
+  ends. The peak per device is the state bytes and one backward program's working bytes
+  (:func:`~shardplan.solver.pipeline.stage_work`, as the closed form counts them) plus the
+  largest sum held at once.
 
 Where it differs from the closed form
 -------------------------------------
@@ -125,6 +127,7 @@ from shardplan.solver.pipeline import (
     StagePlacement,
     check_pipeline,
     stage_link,
+    stage_work,
     sync_link,
 )
 
@@ -270,6 +273,14 @@ class _Stage:
 
 def _seconds(coefficients: tuple[float, float], mb: int) -> float:
     return coefficients[0] + coefficients[1] * mb
+
+
+def _state_and_work(problem: PipelineProblem, stage: StagePlacement, mb: int) -> float:
+    """A stage's state bytes plus ``mb`` samples of its backward's working bytes."""
+    opts = _options(problem, stage)
+    work = stage_work(sum(o.recompute_bytes.get(stage.remat, 0.0) for o in opts),
+                      max((o.work_bytes for o in opts), default=0.0))
+    return sum(o.state_bytes for o in opts) + mb * work
 
 
 def _options(problem: PipelineProblem, stage: StagePlacement) -> list[LayerOption]:
@@ -498,7 +509,8 @@ def simulate(problem: PipelineProblem, plan: PipelinePlan, /, *,
         k = len(rep.stages)
         held = [_peak(device_order(plan.schedule, i, k, rep.microbatches, v), stages[r][i])
                 for i in range(k)]
-        state = [sum(o.state_bytes for o in _options(problem, s)) for s in rep.stages]
+        # The state and one backward program's working bytes (as the closed form counts them).
+        state = [_state_and_work(problem, s, plan.microbatch_size) for s in rep.stages]
         peaks.append(tuple(st + h for st, (h, _) in zip(state, held, strict=True)))
         counts.append(tuple(c for _, c in held))
     sync, update, finish = _sync_update_s(problem, plan)
