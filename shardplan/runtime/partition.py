@@ -21,6 +21,13 @@ segment's saved rows (so saved activations stay on their stage). The stacked out
 stacked gradients) are joined where the last segment runs. A task holding segments is
 evaluated equation by equation (``primitive.bind``) under ``jax.jit``.
 
+A cut value that autodiff sums from terms computed on several stages (the gradient of a
+parameter read by layers of several stages: a tied embedding's lookup and output head) is not
+summed inside each microbatch: each stage hands on its own term (:attr:`Program.terms`), the
+runtime accumulates it over the microbatches where it was computed, and the stages' sums meet
+once per step. A stage so holds one accumulator for its term instead of one term per
+microbatch in flight, waiting for the backward of the stage that would add it.
+
 Update part (:func:`update_programs`)
 -------------------------------------
 Every update equation runs on one stage of replica 0: the stage holding most of the bytes it
@@ -34,8 +41,9 @@ where the parameters live and only small values (norms, scales, counters) move.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -63,6 +71,8 @@ class Program:
       fn: the jitted sub-jaxpr.
       inputs: per argument, where it comes from (:data:`Input`).
       outputs: the variables it produces.
+      terms: per output that is one stage's term of a cut value summed over several stages
+        (:func:`gradient_programs`), that cut value.
     """
 
     key: int
@@ -70,6 +80,7 @@ class Program:
     fn: Any
     inputs: tuple[Input, ...]
     outputs: tuple[Any, ...]
+    terms: Mapping[Any, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -318,7 +329,7 @@ def gradient_programs(split: StepSplit, labels: Mapping[int, frozenset[str]],
                       virtual: VirtualStages, n_state: int,
                       stacks: Mapping[str, tuple[Sequence[str], frozenset[int]]] | None = None,
                       remat: Mapping[int, str] | None = None,
-                      core: Collection[int] = (),
+                      rerun: Mapping[str, Collection[int]] | None = None,
                       ) -> list[Program]:
     """The gradient part of one replica cut into its tasks (the module docstring).
 
@@ -331,9 +342,13 @@ def gradient_programs(split: StepSplit, labels: Mapping[int, frozenset[str]],
         over a stack is cut by stage, :func:`_cut_scans`).
       remat: per stage (index into ``plan.stages``), its rematerialisation policy: under
         ``full`` a backward task runs its forward task's equations again from the stage's
-        inputs, under ``selective`` those of the attention core (``core``); the forward task
-        then hands the backward only what it does not recompute.
-      core: the step's top-level equation indices that selective remat recomputes.
+        inputs, under ``none`` and ``selective`` those of its forward equations that
+        ``rerun`` names for the policy; the forward task then hands the backward only what it
+        does not recompute.
+      rerun: per remat policy short of ``full``, the step's top-level equation indices a
+        backward task computes again instead of receiving their values (the runtime's
+        ``_labels``: values XLA's fusion keeps out of memory, and under ``selective`` the
+        attention core).
 
     Raises:
       PipelineError: an equation belongs to layers of several virtual stages, or reads a value
@@ -393,16 +408,24 @@ def gradient_programs(split: StepSplit, labels: Mapping[int, frozenset[str]],
     groups = [(o, virtual.stages[virtual.position[o if o < big_k else 2 * big_k - 1 - o]])
               for o in range(2 * big_k)]
     group_of = [int(o) for o in order if o is not None]
-    core_ids = set(core)
+    ids = {policy: {id(e) for i, e in enumerate(jaxpr.eqns)
+                    if split.gradient_index[i] in set(chosen)}
+           for policy, chosen in (rerun or {}).items()}
     again = _recomputed(eqns, group_of, producer, big_k, [
         (remat or {}).get(virtual.stages[virtual.position[s]], "none") for s in range(big_k)],
-        {id(e) for i, e in enumerate(jaxpr.eqns) if split.gradient_index[i] in core_ids})
+        ids)
     # Per equation, the tasks that run it: its own, and those running it again.
     runs_of: dict[int, set[int]] = {i: {g} for i, g in enumerate(group_of)}
     for g, extra in again.items():
         for i in extra:
             runs_of[i].add(g)
-    cut = set(jaxpr.outvars)
+    terms = _cross_stage_terms(eqns, group_of, producer, readers, jaxpr.outvars,
+                               [stage for _, stage in groups])
+    for v, parts in terms.items():  # the adds joining terms of several stages: not run
+        for i in _sum_tree(v, eqns, producer, readers, jaxpr.outvars, parts):
+            group_of[i] = -1
+    term_of = {t: v for v, parts in terms.items() for t in parts}
+    cut = (set(jaxpr.outvars) - set(terms)) | set(term_of)
 
     def keep(v: Any, g: int) -> bool:
         # Only the task that owns an equation hands its results on, to the tasks that read
@@ -411,24 +434,85 @@ def gradient_programs(split: StepSplit, labels: Mapping[int, frozenset[str]],
         return group_of[i] == g and (v in cut or any(
             h != g and h not in runs_of[i] for j in readers.get(v, ()) for h in runs_of[j]))
 
-    return _programs(jaxpr, split.gradient.consts, eqns, groups, group_of, sources, keep,
-                     again=again)
+    programs = _programs(jaxpr, split.gradient.consts, eqns, groups, group_of, sources, keep,
+                         again=again)
+    return [dataclasses.replace(p, terms={v: term_of[v] for v in p.outputs if v in term_of})
+            if any(v in term_of for v in p.outputs) else p for p in programs]
+
+
+def _sum_tree(v: Any, eqns: Sequence[_Item], producer: Mapping[Any, int],
+              readers: Mapping[Any, Sequence[int]], cut: Sequence[Any],
+              leaves: Collection[Any]) -> list[int]:
+    """The ``add_any`` equations summing ``leaves`` into ``v``."""
+    if v in leaves:
+        return []
+    i = producer[v]
+    return [i, *(j for x in eqns[i].invars if _is_var(x)
+                 for j in _sum_tree(x, eqns, producer, readers, cut, leaves))]
+
+
+def _cross_stage_terms(eqns: Sequence[_Item], group_of: Sequence[int],
+                       producer: Mapping[Any, int], readers: Mapping[Any, Sequence[int]],
+                       cut: Sequence[Any], stage_of: Sequence[int]) -> dict[Any, list[Any]]:
+    """Per cut value that ``add_any`` equations sum from values of several stages, those
+    values: the largest sub-sums computed on one stage from that stage's values (the module
+    docstring). Only sums whose partial results nothing else reads are split."""
+    outputs = set(cut)
+
+    def is_add(x: Any) -> bool:
+        if x not in producer:
+            return False
+        item = eqns[producer[x]]
+        return item.kind == "eqn" and item.eqn.primitive.name == "add_any"
+
+    def stages(x: Any) -> set[int]:  # the stages computing the values summed into x
+        if x not in producer:
+            return {-1}  # a state or batch leaf summed in as it is
+        here = {stage_of[group_of[producer[x]]]}
+        if not is_add(x):
+            return here
+        return here.union(*(stages(y) for y in eqns[producer[x]].invars if _is_var(y)))
+
+    def split(x: Any, top: bool) -> list[Any] | None:
+        if not is_add(x) or (not top and (x in outputs or len(readers.get(x, ())) != 1)):
+            return None
+        if len(stages(x)) == 1:
+            return [x]
+        out: list[Any] = []
+        for y in eqns[producer[x]].invars:
+            if not _is_var(y):
+                return None
+            parts = split(y, False)
+            if parts is None:
+                if y not in producer:
+                    return None
+                parts = [y]
+            out.extend(parts)
+        return out
+
+    found: dict[Any, list[Any]] = {}
+    for v in dict.fromkeys(x for x in cut if _is_var(x)):
+        parts = split(v, True)
+        if parts is not None and len(parts) > 1 and v not in parts:
+            found[v] = parts
+    return found
 
 
 def _recomputed(eqns: Sequence[_Item], group_of: Sequence[int], producer: Mapping[Any, int],
-                big_k: int, policies: Sequence[str], core: Collection[int],
+                big_k: int, policies: Sequence[str], rerun: Mapping[str, Collection[int]],
                 ) -> dict[int, list[int]]:
     """Per backward task, the equations of its forward task it runs again under its stage's
     remat policy (``policies``, per virtual stage): under ``full`` every one its backward
-    needs, under ``selective`` those of the attention core (``core``: ids of the step's
-    equations) it needs, with the core values they read from each other."""
+    needs, otherwise those ``rerun[policy]`` names (ids of the step's equations) it needs,
+    with the values of that set they read from each other."""
     out: dict[int, list[int]] = {}
     for s, policy in enumerate(policies):
-        if policy == "none":
+        chosen = rerun.get(policy, ())
+        if policy != "full" and not chosen:
             continue
         b = 2 * big_k - 1 - s
         allowed = {i for i, g in enumerate(group_of) if g == s and (
-            policy == "full" or (eqns[i].kind == "eqn" and id(eqns[i].eqn) in core))}
+            policy == "full" or (eqns[i].kind == "eqn" and id(eqns[i].eqn) in chosen))}
         todo = [producer[v] for i, g in enumerate(group_of) if g == b
                 for v in eqns[i].invars if _is_var(v) and producer.get(v) in allowed]
         need: set[int] = set()

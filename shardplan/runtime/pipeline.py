@@ -16,10 +16,16 @@ and an update part) and :mod:`shardplan.runtime.partition` (both parts cut by st
 * **Remat.** A stage's remat policy decides what its forward task hands its backward task
   (:func:`~shardplan.runtime.partition.gradient_programs`): everything the backward reads
   (``none``), all but the attention core (``selective``), or only the stage's inputs, the
-  backward running the forward again (``full``).
+  backward running the forward again (``full``). Under the first two the backward also runs
+  again the forward equations whose values XLA's fusion keeps out of memory, so that the
+  forward hands on the buffers the memory model counts, not every jaxpr residual.
 * **Accumulation.** Each replica sums its microbatches' cut values (gradients, metrics) on the
   devices that produced them; the sums meet where replica 0 produced them, and the mean-type
-  ones are divided by the microbatch count (uneven replica shares weigh by microbatches).
+  ones are divided by the microbatch count (uneven replica shares weigh by microbatches). A
+  gradient whose terms come from several stages (a tied embedding: the head's term and the
+  embedding's) is accumulated term by term on the stages that produce them
+  (:attr:`~shardplan.runtime.partition.Program.terms`); the terms meet once per step, on the
+  latest one's stage, not once per microbatch.
 * **Update.** The update runs per stage of replica 0, on the parameters that stage holds; values
   crossing stages (a global gradient norm's partial sums, the clip factor, a step counter) are
   sent between them. The new state leaves stay on their home stages (a returned state is a
@@ -89,27 +95,35 @@ __all__ = ["PipelinedStep", "placeholder"]
 
 def _labels(step: Callable[..., Any], state: Any, batch: Any,
             ) -> tuple[dict[int, frozenset[str]], list[str],
-                       dict[str, tuple[list[str], frozenset[int]]], frozenset[int]]:
+                       dict[str, tuple[list[str], frozenset[int]]], dict[str, frozenset[int]]]:
     """Per top-level equation index of the step's jaxpr at these shapes, the names of the
     layers its ops belong to (:func:`shardplan.trace`; equations with no op, or a loop's:
     absent); the layers' names in model order; per block stack, its layers in order (the
-    rows of a scanned stack) and the state leaves they own; and the top-level equations
-    whose every op computes attention-core values (what selective remat recomputes:
-    :func:`shardplan.cost.activations.saved_activation_bytes`)."""
+    rows of a scanned stack) and the state leaves they own; and per remat policy short of
+    ``full``, the top-level equations a backward task runs again rather than receive their
+    values (:func:`~shardplan.runtime.partition.gradient_programs`): under ``none`` those
+    whose every op computes values XLA's fusion keeps out of memory
+    (:func:`shardplan.cost.buffers.buffer_tensors`: in one program XLA computes them again
+    inside the backward pass's fusions, so the saved activations are the buffers the model
+    counts), under ``selective`` those and the ones whose every op computes attention-core
+    values (:func:`shardplan.cost.activations.saved_activation_bytes`)."""
     from shardplan.cost.activations import activation_facts
     from shardplan.trace import trace
 
     graph = trace(step, jax.eval_shape(lambda: state), jax.eval_shape(lambda: batch))
     names = [layer.name for layer in graph.layers]
-    core = activation_facts(graph).core
+    facts = activation_facts(graph)
     out: dict[int, set[str]] = {}
     in_core: dict[int, bool] = {}
+    in_fusion: dict[int, bool] = {}
     for op in graph.ops:
         if op.path is not None:
-            out.setdefault(op.path[0], set()).update(names[i] for i in op.layers)
+            i = op.path[0]
+            out.setdefault(i, set()).update(names[j] for j in op.layers)
             if op.outputs:
-                in_core[op.path[0]] = in_core.get(op.path[0], True) and all(
-                    core[t] for t in op.outputs)
+                in_core[i] = in_core.get(i, True) and all(facts.core[t] for t in op.outputs)
+                in_fusion[i] = in_fusion.get(i, True) and op.phase == "forward" and not any(
+                    facts.fused[t] for t in op.outputs)
     paths = [jax.tree_util.keystr(p, simple=True, separator="/")
              for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
     stacks: dict[str, tuple[list[str], set[int]]] = {}
@@ -118,9 +132,10 @@ def _labels(step: Callable[..., Any], state: Any, batch: Any,
             rows, leaves = stacks.setdefault(layer.stack, ([], set()))
             rows.append(layer.name)
             leaves.update(paths.index(p) for p in layer.params if p in paths)
+    fused = frozenset(i for i, c in in_fusion.items() if c)
     return ({i: frozenset(x) for i, x in out.items()}, names,
             {k: (rows, frozenset(leaves)) for k, (rows, leaves) in stacks.items()},
-            frozenset(i for i, c in in_core.items() if c))
+            {"none": fused, "selective": fused | {i for i, c in in_core.items() if c}})
 
 
 def placeholder(aval: Any, sharding: jax.sharding.Sharding) -> jax.Array:
@@ -258,13 +273,13 @@ class PipelinedStep:
         split = split_step(self._step, state, parts[0])
         kinds = (reduction_kinds(self._step, state, parts[0], parts[1], split)
                  if len(parts) > 1 else tuple("mean" for _ in split.cut_avals))
-        labels, layer_order, stacks, core = _labels(self._step, state, parts[0])
+        labels, layer_order, stacks, rerun = _labels(self._step, state, parts[0])
         n_state = len(jax.tree.leaves(state))
         chunks = plan.chunks if plan.schedule == "interleaved" else 1
         virtual = [virtual_stages([plan.stages[i].layers for i in r.stages], r.stages,
                                   layer_order, chunks) for r in self._replicas]
         remat = {st.index: st.remat for st in plan.stages}
-        tasks = [gradient_programs(split, labels, v, n_state, stacks, remat, core)
+        tasks = [gradient_programs(split, labels, v, n_state, stacks, remat, rerun)
                  for v in virtual]
         shardings = {}
         for st in plan.stages:
@@ -283,8 +298,8 @@ class PipelinedStep:
                 if kind == "state":
                     read_at.setdefault(j, prog.stage)
             for v in prog.outputs:
-                if v in cut_index:
-                    cut_at[cut_index[v]] = prog.stage
+                if prog.terms.get(v, v) in cut_index:  # (a summed value: its latest term's)
+                    cut_at[cut_index[prog.terms.get(v, v)]] = prog.stage
         update, where, home = update_programs(
             split, read_at, cut_at, self._replicas[0].stages[0],
             lambda s, j: shardings[s][0][j])
@@ -548,7 +563,8 @@ class PipelinedStep:
             for v, x in zip(task.outputs, outs, strict=True):
                 values.put(v, j, s, x)
             if here:
-                cuts = [x for v, x in zip(task.outputs, outs, strict=True) if v in cut_index]
+                cuts = [x for v, x in zip(task.outputs, outs, strict=True)
+                        if task.terms.get(v, v) in cut_index]
                 if task.key not in sums:
                     sums[task.key] = cuts
                 else:  # from the third microbatch on, the sums are the adds' own buffers
@@ -559,14 +575,23 @@ class PipelinedStep:
                                             values.saved_microbatches(s))
         for holding in holdings:  # the sums go on as the step's; the rest is dropped here
             self._holdings.remove(holding)
-        local: list[Any] = [None] * len(cut_index)
-        at = [0] * len(cut_index)
-        for task in tasks:
+        # Per cut value, the stages' sums of it (several: terms of a value summed over stages,
+        # partition.py), the latest task's first; they meet on its stage.
+        terms: dict[int, list[tuple[int, Any]]] = {}
+        for task in sorted(tasks, key=lambda t: -t.key):
             held = iter(sums.get(task.key, ()))
             for v in task.outputs:
-                if v in cut_index:
-                    at[cut_index[v]] = task.stage
-                    local[cut_index[v]] = next(held, None)
+                if (c := task.terms.get(v, v)) in cut_index:
+                    terms.setdefault(cut_index[c], []).append((task.stage, next(held, None)))
+        local: list[Any] = [None] * len(cut_index)
+        at = [0] * len(cut_index)
+        for i, parts in terms.items():
+            (stage, x), rest = parts[0], parts[1:]
+            at[i] = stage
+            for s, y in rest:  # None where the sum's stage is another process's
+                y = mover.move(y, ready.split.cut_avals[i], s, at[i])
+                x = y if x is None else x + y
+            local[i] = x
         return local, at
 
 
