@@ -76,7 +76,8 @@ def test_two_device_types_with_uneven_shares(gpt) -> None:
     predicted = dataclasses.replace(plan.predicted, memory_bytes={0: 1, 1: 1, 4: 1})
     mixed = dataclasses.replace(
         plan, stages=stages, layouts=layouts, microbatch_size=4, microbatches=4,
-        replicas=(ReplicaSpec((0,), 3), ReplicaSpec((1,), 1)), predicted=predicted)
+        replicas=(ReplicaSpec((0,), 3), ReplicaSpec((1,), 1)), predicted=predicted,
+        solver={k: v for k, v in plan.solver.items() if k != "memory_budget_bytes"})
     _three_steps(config, state, step, mixed)
 
 
@@ -107,7 +108,9 @@ def _pipeline(plan, groups, microbatch_size: int, counts, schedule: str = "1f1b"
     return dataclasses.replace(
         plan, stages=tuple(stages), layouts=layouts, microbatch_size=microbatch_size,
         microbatches=sum(counts), replicas=tuple(replicas), schedule=schedule, chunks=1,
-        predicted=dataclasses.replace(plan.predicted, memory_bytes=memory))
+        predicted=dataclasses.replace(plan.predicted, memory_bytes=memory),
+        # made by hand: its memory figures are placeholders, no budget was planned for
+        solver={k: v for k, v in plan.solver.items() if k != "memory_budget_bytes"})
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -294,12 +297,12 @@ def test_moe_with_experts_sharded_inside_each_stage() -> None:
 
 
 def test_a_planned_heterogeneous_pipeline() -> None:
-    # The planner's own plan for a 4-block GPT (its blocks one nnx.scan) on 4 A100 + 4 V100
-    # whose replica does not fit one device: a V100 and an A100 replica of four stages each,
-    # with 11 and 21 microbatches, stages of one or two layers, each with the planner's
-    # intra-op layout; the scan is cut into the stages' rows. (The same model as a Python loop
-    # of blocks gets 12 and 20 at a budget of 0.35.)
-    config = models.load_model_config("gpt-tiny-scan", overrides={"n_layers": 4})
+    # The planner's own plan for a 4-block GPT on 4 A100 + 4 V100 whose replica does not fit
+    # one device: a V100 and an A100 replica of four stages each, with 12 and 20 microbatches,
+    # stages of one or two layers, each with the planner's intra-op layout. (Its nnx.scan twin
+    # is refused before the first step: a scanned stack's stacked parameters still live whole
+    # on one stage, more than the budget; docs/architecture.md, "Pipelines".)
+    config = models.load_model_config("gpt-tiny", overrides={"n_layers": 4})
     graphdef, state = models.init_train_state(config, seed=0)
     step = models.make_train_step(graphdef)
     shapes = (jax.eval_shape(lambda: state),
@@ -338,3 +341,30 @@ def test_a_linen_train_state_through_two_stages() -> None:
             np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64),
                                        rtol=RTOL, atol=ATOL)
     assert {p.stage for p in run._ready.update} == {0, 1}
+
+
+def test_a_planned_pipeline_holds_what_its_stages_were_predicted_to() -> None:
+    # A 4-block Llama (no parameter shared between layers) on 4 A100 + 4 V100 under a budget
+    # of 40 % of its one-stage replica's peak: the planner cuts it into stages, and on every
+    # stage the most a device held while a program ran (the program's own figure plus the
+    # arrays the driver kept beside it: optimizer state, gradient sums, other microbatches'
+    # saved values) is the predicted peak within 10 %, and no program exceeds the budget.
+    config = models.load_model_config("llama-tiny", overrides={"n_layers": 4})
+    graphdef, state = models.init_train_state(config, seed=0)
+    step = models.make_train_step(graphdef)
+    shapes = (jax.eval_shape(lambda: state),
+              jax.eval_shape(lambda: models.example_batch(config, 16, seed=0)))
+    cluster = sp.Cluster.local(types={"a100-80g": 4, "v100-32g": 4})
+    one = sp.make_plan(step, *shapes, cluster=cluster, config=sp.PlanConfig(max_stages=1))
+    budget = 0.4 * max(one.predicted.memory_bytes.values())
+    plan = sp.make_plan(step, *shapes, cluster=cluster,
+                        config=sp.PlanConfig(memory_budget_bytes=budget, pipeline=True))
+    assert len(plan.stages) >= 3
+    run = sp.apply_plan(step, plan, measure_steps=0)
+    run(state, models.example_batch(config, 16, seed=0))
+    for st in run.plan.stages:
+        predicted = max(run.plan.predicted.memory_bytes[d] for d in st.mesh.device_ids)
+        programs = [p for p in run.plan.compiled["programs"] if p["stage"] == st.index]
+        held = max(p["memory_bytes"] + p["beside_bytes"] for p in programs)
+        assert 0.9 * predicted <= held <= 1.1 * predicted, (st.index, st.remat, held, predicted)
+        assert max(p["memory_bytes"] for p in programs) <= budget

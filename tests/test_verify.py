@@ -122,10 +122,38 @@ def test_a_compiled_plan_that_does_not_fit_is_refused_before_it_runs(planned) ->
     state = _state()
     with pytest.raises(sp.InfeasibleError,
                        match=r"(?s)does not fit: program 'step' of stage 0 needs .* per "
-                             r"device, one cpu has 4.00 KiB.*stages\[0\].*"
+                             r"device, more than one cpu's memory \(4.00 KiB.*stages\[0\].*"
                              r"memory_budget_bytes="):
         sp.apply_plan(step, small)(state, jnp.ones((BATCH, WIDTH)))
     assert all(not leaf.is_deleted() for leaf in jax.tree.leaves(state))  # the state survives
+
+
+def test_a_compiled_program_over_the_budget_the_plan_was_made_for_is_refused(planned) -> None:
+    step, plan = planned
+    # The plan records the memory it was made for; a device of ample capacity does not
+    # excuse a program over it.
+    assert plan.solver["memory_budget_bytes"]["cpu"] > 0
+    need = max(plan.predicted.memory_bytes.values())
+    tight = dataclasses.replace(plan, solver={**plan.solver,
+                                              "memory_budget_bytes": {"cpu": need // 2}})
+    state = _state()
+    with pytest.raises(sp.InfeasibleError,
+                       match=r"(?s)does not fit: program 'step' of stage 0 .* more than the "
+                             r"memory the plan was made for .*allowed_bytes.*"
+                             r"memory_budget_bytes="):
+        sp.apply_plan(step, tight)(state, jnp.ones((BATCH, WIDTH)))
+    assert all(not leaf.is_deleted() for leaf in jax.tree.leaves(state))
+
+
+def test_a_compiled_program_far_over_its_prediction_is_warned_about(planned) -> None:
+    step, plan = planned
+    # The same plan, as if it had predicted half of what XLA compiles.
+    half = {d: m // 2 for d, m in plan.predicted.memory_bytes.items()}
+    low = dataclasses.replace(plan, predicted=dataclasses.replace(plan.predicted,
+                                                                  memory_bytes=half))
+    with pytest.warns(sp.ShardplanWarning, match=r"(?s)compiled to .* 2\.\d\dx the stage's "
+                                                 r"predicted peak.*stages\[0\]"):
+        sp.apply_plan(step, low, measure_steps=0)(_state(), jnp.ones((BATCH, WIDTH)))
 
 
 def test_verification_can_be_turned_off(planned) -> None:

@@ -136,6 +136,12 @@ def report_table(plan: Plan, /) -> tuple[list[str], list[list[str]]]:
                 if p["memory_bytes"] is not None and p.get("beside_bytes") is not None]
         rows.append([stage_label(plan, st.index), bytes_cell(predicted), bytes_cell(compiled),
                      bytes_cell(max(held)) if held else "", ratio_cell(predicted, compiled)])
+    # The memory per device the plan was made for (its budget, or the capacity less the
+    # headroom), per device type it uses.
+    budgets: Any = plan.solver.get("memory_budget_bytes", {})
+    for name in dict.fromkeys(st.device_type for st in plan.stages):
+        if name in budgets:
+            rows.append([f"allowed on a {name}", bytes_cell(budgets[name]), "", "", ""])
     rows.append(["FLOPs per device per step"])
     for st in plan.stages:
         flops = (plan.predicted.stage_flops[st.index]

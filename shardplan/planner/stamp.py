@@ -14,7 +14,7 @@ import numpy as np
 from shardplan.cluster import Cluster
 from shardplan.plan import Plan
 
-__all__ = ["arg_types", "cluster_info", "stamped", "type_text"]
+__all__ = ["arg_types", "cluster_info", "memory_budgets", "stamped", "type_text"]
 
 
 def type_text(shape: tuple[int, ...], dtype: Any) -> str:
@@ -65,16 +65,40 @@ def cluster_info(cluster: Cluster, /) -> dict[str, Any]:
     return {"name": cluster.name, "device_types": types}
 
 
+def memory_budgets(cluster: Cluster, config: Any, /) -> dict[str, int]:
+    """Per device type of ``cluster``, the bytes per device the planner may fill under
+    ``config`` (a :class:`~shardplan.planner.config.PlanConfig`; ``None``: the default):
+    ``memory_budget_bytes``, else the capacity less ``memory_headroom``. What a plan records
+    in ``plan.solver["memory_budget_bytes"]`` and its compiled programs are held to.
+
+    Example:
+      >>> from shardplan.planner.config import PlanConfig
+      >>> memory_budgets(Cluster.local(types={"a100-80g": 1}),
+      ...                PlanConfig(memory_budget_bytes=3.6e6))
+      {'a100-80g': 3600000}
+    """
+    from shardplan.planner.config import PlanConfig
+    from shardplan.planner.multi import memory_budget
+
+    config = config if config is not None else PlanConfig()
+    return {group.device.name: int(memory_budget(config, group.device.memory_bytes))
+            for group in cluster.groups}
+
+
 def stamped(make_plan: Callable[..., Plan], /) -> Callable[..., Plan]:
     """Wraps a planner ``(train_step, state, batch, /, *, cluster, ...) -> Plan`` so that the
-    plan it returns records the argument types and the cluster's outline."""
+    plan it returns records the argument types, the cluster's outline and the memory per
+    device it was made for (:func:`memory_budgets`, in ``plan.solver``)."""
 
     @functools.wraps(make_plan)
     def wrapper(train_step: Callable[..., Any], state: Any, batch: Any, /, *args: Any,
                 **kwargs: Any) -> Plan:
         plan = make_plan(train_step, state, batch, *args, **kwargs)
+        cluster = kwargs["cluster"]
+        solver = {**plan.solver,
+                  "memory_budget_bytes": memory_budgets(cluster, kwargs.get("config"))}
         return dataclasses.replace(plan, state_types=arg_types(state),
                                    batch_types=arg_types(batch),
-                                   cluster_info=cluster_info(kwargs["cluster"]))
+                                   cluster_info=cluster_info(cluster), solver=solver)
 
     return wrapper

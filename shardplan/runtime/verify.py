@@ -2,8 +2,9 @@
 
 Before a planned step first runs, its programs are compiled and XLA's own figures read
 (:func:`compiled_figures`: per program, ``memory_analysis()``, FLOPs and the collectives in the
-optimized HLO); a program whose memory exceeds its device's capacity is refused
-(:func:`check_fits`) before anything runs. The figures go into the plan (``plan.compiled``),
+optimized HLO); a program whose memory exceeds what its stage was planned to hold (the budget
+the plan was made for, at most the device's capacity) is refused (:func:`check_fits`) before
+anything runs, and one more than 10 % over the prediction is warned about. The figures go into the plan (``plan.compiled``),
 next to the prediction, and :meth:`~shardplan.plan.Plan.report` shows both; a
 :class:`StepTimer` then times the first steps and records them (``plan.measured``).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,7 +21,7 @@ import jax
 
 from shardplan.cluster import Cluster
 from shardplan.cluster.catalog import load_device
-from shardplan.errors import ConfigError, InfeasibleError, format_error
+from shardplan.errors import ConfigError, InfeasibleError, ShardplanWarning, format_error
 from shardplan.plan import Plan
 from shardplan.plan.match import check_plan_matches
 from shardplan.plan.summary import format_bytes
@@ -28,8 +30,8 @@ from shardplan.planner.stamp import arg_types, cluster_info
 from shardplan.trace import trace
 from shardplan.xla.report import MemoryReport, read_compiled
 
-__all__ = ["MEASURE_STEPS", "StepTimer", "check_arguments", "check_fits", "check_plan",
-           "compiled_figures", "compiled_memory", "device_capacity"]
+__all__ = ["FIT_WARNING_RATIO", "MEASURE_STEPS", "StepTimer", "check_arguments", "check_fits", "check_plan",
+           "compiled_figures", "compiled_memory", "device_capacity", "memory_allowed"]
 
 MEASURE_STEPS = 10
 """Steps timed after the first (which compiles) before ``plan.measured`` is recorded."""
@@ -128,34 +130,72 @@ def device_capacity(plan: Plan, stage: int) -> int | None:
         return None
 
 
+def memory_allowed(plan: Plan, stage: int) -> tuple[int | None, str]:
+    """The bytes one device of ``plan.stages[stage]`` may hold, and what they are: the memory
+    the plan was made for (``plan.solver["memory_budget_bytes"]``: the budget, or the
+    capacity less the headroom) where the plan records it, else the device's capacity
+    (:func:`device_capacity`); None where neither is known."""
+    name = plan.stages[stage].device_type
+    budgets: Any = plan.solver.get("memory_budget_bytes", {})
+    capacity = device_capacity(plan, stage)
+    if name in budgets:
+        budget = int(budgets[name])
+        if capacity is None or budget <= capacity:
+            return budget, "the memory the plan was made for"
+    return capacity, f"one {name}'s memory"
+
+
+FIT_WARNING_RATIO = 1.10
+"""A compiled program above this multiple of its stage's predicted peak is warned about."""
+
+
 def check_fits(plan: Plan, figures: dict[str, Any]) -> None:
     """Raises :class:`~shardplan.errors.InfeasibleError` when a compiled program needs more
-    memory than one device of its stage has.
+    memory per device than its stage was planned to hold (:func:`memory_allowed`: the budget
+    the plan was made for, at most the device's capacity), and warns
+    (:class:`~shardplan.errors.ShardplanWarning`) when it needs more than
+    :data:`FIT_WARNING_RATIO` times the stage's predicted peak (plans made by the planner:
+    those recording ``plan.solver["memory_budget_bytes"]``).
 
-    The message names the stage, the program, XLA's figure against the capacity and the
+    The message names the stage, the program, XLA's figure against the allowed bytes and the
     prediction, and a memory budget under which the planner would make a plan that fits (the
-    capacity less what the prediction missed).
+    allowed bytes less what the prediction missed).
     """
     for program in figures["programs"]:
         stage, need = program["stage"], program["memory_bytes"]
-        capacity = device_capacity(plan, stage)
-        if need is None or capacity is None or need <= capacity:
+        if need is None:
             continue
         st = plan.stages[stage]
-        devices = st.mesh.device_ids
-        predicted = max((plan.predicted.memory_bytes.get(d, 0) for d in devices), default=0)
-        missed = max(need - predicted, 0)
-        budget = max(capacity - missed, 0)
-        raise InfeasibleError(format_error(
-            f"The compiled plan does not fit: program {program['name']!r} of stage {stage} "
-            f"needs {format_bytes(need)} per device, one {st.device_type} has "
-            f"{format_bytes(capacity)} (the plan predicted {format_bytes(predicted)}).",
-            where=f"plan.stages[{stage}] ({st.device_type}, mesh {dict(st.mesh.shape)})",
-            value={"compiled_bytes": need, "capacity_bytes": capacity,
-                   "predicted_bytes": predicted},
-            remedy=f"plan again with sp.PlanConfig(memory_budget_bytes={budget}): the capacity "
-                   f"less the {missed} bytes the prediction missed here, so that a plan "
-                   "predicted within it fits once compiled; or use more devices"))
+        predicted = max((plan.predicted.memory_bytes.get(d, 0) for d in st.mesh.device_ids),
+                        default=0)
+        where = f"plan.stages[{stage}] ({st.device_type}, mesh {dict(st.mesh.shape)})"
+        allowed, what = memory_allowed(plan, stage)
+        if allowed is not None and need > allowed:
+            missed = max(need - predicted, 0)
+            budget = max(allowed - missed, 0)
+            raise InfeasibleError(format_error(
+                f"The compiled plan does not fit: program {program['name']!r} of stage {stage} "
+                f"needs {format_bytes(need)} per device, more than {what} "
+                f"({format_bytes(allowed)}; the plan predicted {format_bytes(predicted)}).",
+                where=where,
+                value={"compiled_bytes": need, "allowed_bytes": allowed,
+                       "predicted_bytes": predicted},
+                remedy=f"plan again with sp.PlanConfig(memory_budget_bytes={budget}): the "
+                       f"allowed bytes less the {missed} bytes the prediction missed here, so "
+                       "that a plan predicted within it fits once compiled; or use more "
+                       "devices"))
+        # Only a plan the planner made (it records the budget) holds a prediction to warn
+        # against; a plan written by hand may leave its figures as placeholders.
+        made = "memory_budget_bytes" in plan.solver
+        if made and predicted and need > FIT_WARNING_RATIO * predicted:
+            warnings.warn(format_error(
+                f"Program {program['name']!r} of stage {stage} compiled to "
+                f"{format_bytes(need)} per device, {need / predicted:.2f}x the stage's "
+                f"predicted peak of {format_bytes(predicted)}.",
+                where=where, value={"compiled_bytes": need, "predicted_bytes": predicted},
+                remedy="plan with a smaller sp.PlanConfig(memory_budget_bytes=...) to leave "
+                       "the difference free, and report the model this happened with"),
+                ShardplanWarning, stacklevel=2)
 
 
 class StepTimer:
