@@ -5,8 +5,8 @@ and Llama, as Python loops and as ``nnx.scan`` stacks (4 blocks), planned on 4 A
 (emulated on 8 CPU devices) under budgets that are fractions of the one-stage replica's
 predicted peak, this script runs three steps of each plan and prints, per stage:
 
-* ``predicted``: the plan's per-device peak (the stage planner's ``state + in_flight x mb x
-  activation``);
+* ``predicted``: the plan's per-device peak (the stage planner's ``state + mb x (in_flight x
+  activation + work)``, :func:`shardplan.solver.pipeline.stage_held`);
 * ``compiled``: the largest of the stage's programs as XLA compiled it (``memory_analysis``:
   arguments + outputs + temporaries - aliased);
 * ``held``: the most one device of the stage held while a program ran: the program's own figure
