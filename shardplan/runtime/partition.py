@@ -51,6 +51,7 @@ import numpy as np
 from jax.extend import core as jcore
 
 from shardplan.errors import PipelineError, format_error
+from shardplan.kernels.registry import PREFIX as KERNEL_PREFIX
 from shardplan.runtime.accumulate import StepSplit, autodiff_phase
 
 __all__ = ["Program", "VirtualStages", "gradient_programs", "update_programs",
@@ -132,6 +133,65 @@ def virtual_stages(stage_layers: Sequence[Sequence[str]], stage_ids: Sequence[in
             remedy="give stage p of k the p-th run of consecutive layers (under the "
                    "interleaved schedule, runs p, p + k, ...)"))
     return VirtualStages(owner, tuple(position), tuple(stage_ids))
+
+
+def _plain_call(eqn: Any) -> Any:
+    """The inner jaxpr of a ``jit`` equation that inlining leaves unchanged in meaning: not a
+    kernel call (one op of the cost model), no constants, no sharding it imposes, every result
+    computed by its own inner equation; else None."""
+    if eqn.primitive.name not in ("pjit", "jit") or str(eqn.params.get("name", "")).startswith(
+            KERNEL_PREFIX):
+        return None
+    closed = eqn.params.get("jaxpr")
+    if not isinstance(closed, jcore.ClosedJaxpr) or closed.consts or closed.jaxpr.constvars:
+        return None
+    jaxpr = closed.jaxpr
+    for key in ("in_shardings", "out_shardings"):
+        if any(type(x).__name__ != "UnspecifiedValue" for x in eqn.params.get(key, ())):
+            return None
+    made = {v for e in jaxpr.eqns for v in e.outvars}
+    outs = [v for v in jaxpr.outvars if _is_var(v)]
+    if len(outs) != len(jaxpr.outvars) or len(set(outs)) != len(outs) or not set(outs) <= made:
+        return None
+    return jaxpr
+
+
+def _inline_calls(jaxpr: Any, paths: Sequence[tuple[int, ...]]
+                  ) -> tuple[Any, list[tuple[int, ...]]]:
+    """``jaxpr`` with its plain nested ``jit`` calls (:func:`_plain_call`) replaced by their
+    equations, recursively, and per equation of the result its path (``paths``: the top-level
+    equations'; an inlined equation's path extends its call's by its index in the call, as
+    :attr:`shardplan.trace.Op.path` does). A call's equations then go to stages, and to
+    rematerialisation, one by one: a jitted attention function's core is recomputed under
+    ``selective`` while its projections are not. The jaxpr's own variables stay as they are
+    (a call's results become its inner equations' results); an inlined equation's name stack
+    is its call's followed by its own, so its autodiff phase is its call's."""
+    eqns: list[Any] = []
+    out_paths: list[tuple[int, ...]] = []
+
+    def add(eqn: Any, path: tuple[int, ...], rename: dict[Any, Any]) -> None:
+        eqn = eqn.replace(invars=[rename.get(v, v) if _is_var(v) else v for v in eqn.invars])
+        inner = _plain_call(eqn)
+        if inner is None:
+            eqns.append(eqn)
+            out_paths.append(path)
+            return
+        local: dict[Any, Any] = dict(zip(inner.invars, eqn.invars, strict=True))
+        local.update(zip(inner.outvars, eqn.outvars, strict=True))
+        stack = eqn.source_info.name_stack
+        for j, e in enumerate(inner.eqns):
+            outvars = [local.get(v) or (jcore.DropVar(v.aval) if isinstance(v, jcore.DropVar)
+                                        else jcore.Var(v.aval)) for v in e.outvars]
+            local.update(zip(e.outvars, outvars, strict=True))
+            e = e.replace(outvars=outvars, source_info=e.source_info.replace(
+                name_stack=stack + e.source_info.name_stack))
+            add(e, (*path, j), local)
+
+    for e, path in zip(jaxpr.eqns, paths, strict=True):
+        add(e, path, {})
+    if len(eqns) == len(jaxpr.eqns):
+        return jaxpr, list(paths)
+    return jaxpr.replace(eqns=eqns), out_paths
 
 
 def _compile(jaxpr: Any, consts: Sequence[Any], eqns: Sequence[Any], inputs: Sequence[Any],
@@ -325,17 +385,18 @@ def _interpreted(items: Sequence[_Item], constvars: Sequence[Any], consts: Seque
     return jax.jit(run)
 
 
-def gradient_programs(split: StepSplit, labels: Mapping[int, frozenset[str]],
+def gradient_programs(split: StepSplit, labels: Mapping[tuple[int, ...], frozenset[str]],
                       virtual: VirtualStages, n_state: int,
                       stacks: Mapping[str, tuple[Sequence[str], frozenset[int]]] | None = None,
                       remat: Mapping[int, str] | None = None,
-                      rerun: Mapping[str, Collection[int]] | None = None,
+                      rerun: Mapping[str, Collection[tuple[int, ...]]] | None = None,
                       ) -> list[Program]:
     """The gradient part of one replica cut into its tasks (the module docstring).
 
     Args:
       split: the step's cut.
-      labels: per top-level equation index of the step, the layers its ops belong to.
+      labels: per equation path of the step (:attr:`shardplan.trace.Op.path` and its
+        prefixes), the layers its ops belong to.
       virtual: the replica's virtual stages.
       n_state: the number of state leaves.
       stacks: per block stack, its layers in row order and the state leaves they own (a scan
@@ -345,7 +406,7 @@ def gradient_programs(split: StepSplit, labels: Mapping[int, frozenset[str]],
         inputs, under ``none`` and ``selective`` those of its forward equations that
         ``rerun`` names for the policy; the forward task then hands the backward only what it
         does not recompute.
-      rerun: per remat policy short of ``full``, the step's top-level equation indices a
+      rerun: per remat policy short of ``full``, the paths of the step's equations a
         backward task computes again instead of receiving their values (the runtime's
         ``_labels``: values XLA's fusion keeps out of memory, and under ``selective`` the
         attention core).
@@ -354,10 +415,11 @@ def gradient_programs(split: StepSplit, labels: Mapping[int, frozenset[str]],
       PipelineError: an equation belongs to layers of several virtual stages, or reads a value
         of a later one.
     """
-    jaxpr = split.gradient.jaxpr
+    # Nested jit calls are cut into their equations, each with its path (_inline_calls).
+    jaxpr, paths = _inline_calls(split.gradient.jaxpr, [(i,) for i in split.gradient_index])
     big_k = virtual.count
-    eqns = _cut_scans(jaxpr.eqns, [labels.get(split.gradient_index[i], frozenset())
-                                   for i in range(len(jaxpr.eqns))], virtual, stacks or {},
+    eqns = _cut_scans(jaxpr.eqns, [labels.get(p, frozenset()) for p in paths],
+                      virtual, stacks or {},
                       {v: j for j, v in enumerate(jaxpr.invars[:n_state])}, jaxpr.outvars)
     producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
     order: list[int | None] = []
@@ -408,9 +470,8 @@ def gradient_programs(split: StepSplit, labels: Mapping[int, frozenset[str]],
     groups = [(o, virtual.stages[virtual.position[o if o < big_k else 2 * big_k - 1 - o]])
               for o in range(2 * big_k)]
     group_of = [int(o) for o in order if o is not None]
-    ids = {policy: {id(e) for i, e in enumerate(jaxpr.eqns)
-                    if split.gradient_index[i] in set(chosen)}
-           for policy, chosen in (rerun or {}).items()}
+    ids = {policy: {id(e) for e, p in zip(jaxpr.eqns, paths, strict=True) if p in chosen}
+           for policy, chosen in ((k, set(c)) for k, c in (rerun or {}).items())}
     again = _recomputed(eqns, group_of, producer, big_k, [
         (remat or {}).get(virtual.stages[virtual.position[s]], "none") for s in range(big_k)],
         ids)

@@ -94,13 +94,15 @@ __all__ = ["PipelinedStep", "placeholder"]
 
 
 def _labels(step: Callable[..., Any], state: Any, batch: Any,
-            ) -> tuple[dict[int, frozenset[str]], list[str],
-                       dict[str, tuple[list[str], frozenset[int]]], dict[str, frozenset[int]]]:
-    """Per top-level equation index of the step's jaxpr at these shapes, the names of the
-    layers its ops belong to (:func:`shardplan.trace`; equations with no op, or a loop's:
-    absent); the layers' names in model order; per block stack, its layers in order (the
+            ) -> tuple[dict[tuple[int, ...], frozenset[str]], list[str],
+                       dict[str, tuple[list[str], frozenset[int]]],
+                       dict[str, frozenset[tuple[int, ...]]]]:
+    """Per equation path of the step's jaxpr at these shapes (an op's
+    :attr:`~shardplan.trace.Op.path` and each prefix of it: a call's path covers its ops), the
+    names of the layers its ops belong to (:func:`shardplan.trace`; equations with no op, or a
+    loop's: absent); the layers' names in model order; per block stack, its layers in order (the
     rows of a scanned stack) and the state leaves they own; and per remat policy short of
-    ``full``, the top-level equations a backward task runs again rather than receive their
+    ``full``, the paths of the equations a backward task runs again rather than receive their
     values (:func:`~shardplan.runtime.partition.gradient_programs`): under ``none`` those
     whose every op computes values XLA's fusion keeps out of memory
     (:func:`shardplan.cost.buffers.buffer_tensors`: in one program XLA computes them again
@@ -113,17 +115,21 @@ def _labels(step: Callable[..., Any], state: Any, batch: Any,
     graph = trace(step, jax.eval_shape(lambda: state), jax.eval_shape(lambda: batch))
     names = [layer.name for layer in graph.layers]
     facts = activation_facts(graph)
-    out: dict[int, set[str]] = {}
-    in_core: dict[int, bool] = {}
-    in_fusion: dict[int, bool] = {}
+    out: dict[tuple[int, ...], set[str]] = {}
+    in_core: dict[tuple[int, ...], bool] = {}
+    in_fusion: dict[tuple[int, ...], bool] = {}
     for op in graph.ops:
-        if op.path is not None:
-            i = op.path[0]
-            out.setdefault(i, set()).update(names[j] for j in op.layers)
+        if op.path is None:
+            continue
+        layers = [names[j] for j in op.layers]
+        core = all(facts.core[t] for t in op.outputs)
+        fusion = op.phase == "forward" and not any(facts.fused[t] for t in op.outputs)
+        for k in range(1, len(op.path) + 1):
+            i = op.path[:k]
+            out.setdefault(i, set()).update(layers)
             if op.outputs:
-                in_core[i] = in_core.get(i, True) and all(facts.core[t] for t in op.outputs)
-                in_fusion[i] = in_fusion.get(i, True) and op.phase == "forward" and not any(
-                    facts.fused[t] for t in op.outputs)
+                in_core[i] = in_core.get(i, True) and core
+                in_fusion[i] = in_fusion.get(i, True) and fusion
     paths = [jax.tree_util.keystr(p, simple=True, separator="/")
              for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
     stacks: dict[str, tuple[list[str], set[int]]] = {}
