@@ -296,22 +296,29 @@ def test_moe_with_experts_sharded_inside_each_stage() -> None:
     assert {d.id for d in new_state.sharding.device_set} == {4, 5}
 
 
+def _budget_planned(name: str, batch_size: int, fraction: float):
+    """A 4-block tiny model, its step and the planner's pipeline plan on 4 A100 + 4 V100
+    (local) under ``fraction`` of its one-stage replica's predicted peak, and that budget."""
+    config = models.load_model_config(name, overrides={"n_layers": 4})
+    graphdef, state = models.init_train_state(config, seed=0)
+    step = models.make_train_step(graphdef)
+    shapes = (jax.eval_shape(lambda: state),
+              jax.eval_shape(lambda: models.example_batch(config, batch_size, seed=0)))
+    cluster = sp.Cluster.local(types={"a100-80g": 4, "v100-32g": 4})
+    one = sp.make_plan(step, *shapes, cluster=cluster, config=sp.PlanConfig(max_stages=1))
+    budget = fraction * max(one.predicted.memory_bytes.values())
+    plan = sp.make_plan(step, *shapes, cluster=cluster,
+                        config=sp.PlanConfig(memory_budget_bytes=budget, pipeline=True))
+    return config, state, step, plan, budget
+
+
 def test_a_planned_heterogeneous_pipeline() -> None:
     # The planner's own plan for a 4-block GPT on 4 A100 + 4 V100 whose replica does not fit
     # one device: a V100 and an A100 replica of four stages each, with 12 and 20 microbatches,
     # stages of one or two layers, each with the planner's intra-op layout. (Its nnx.scan twin
     # is refused before the first step: a scanned stack's stacked parameters still live whole
     # on one stage, more than the budget; docs/architecture.md, "Pipelines".)
-    config = models.load_model_config("gpt-tiny", overrides={"n_layers": 4})
-    graphdef, state = models.init_train_state(config, seed=0)
-    step = models.make_train_step(graphdef)
-    shapes = (jax.eval_shape(lambda: state),
-              jax.eval_shape(lambda: models.example_batch(config, 64, seed=0)))
-    cluster = sp.Cluster.local(types={"a100-80g": 4, "v100-32g": 4})
-    one = sp.make_plan(step, *shapes, cluster=cluster, config=sp.PlanConfig(max_stages=1))
-    budget = 0.3 * max(one.predicted.memory_bytes.values())
-    plan = sp.make_plan(step, *shapes, cluster=cluster,
-                        config=sp.PlanConfig(memory_budget_bytes=budget, pipeline=True))
+    config, state, step, plan, _ = _budget_planned("gpt-tiny", 64, 0.3)
     types = [{plan.stages[i].device_type for i in r.stages} for r in plan.replicas]
     assert len(plan.replicas) == 2 and {t for ts in types for t in ts} == {"a100-80g",
                                                                           "v100-32g"}
@@ -349,16 +356,7 @@ def test_a_planned_pipeline_holds_what_its_stages_were_predicted_to() -> None:
     # stage the most a device held while a program ran (the program's own figure plus the
     # arrays the driver kept beside it: optimizer state, gradient sums, other microbatches'
     # saved values) is the predicted peak within 10 %, and no program exceeds the budget.
-    config = models.load_model_config("llama-tiny", overrides={"n_layers": 4})
-    graphdef, state = models.init_train_state(config, seed=0)
-    step = models.make_train_step(graphdef)
-    shapes = (jax.eval_shape(lambda: state),
-              jax.eval_shape(lambda: models.example_batch(config, 16, seed=0)))
-    cluster = sp.Cluster.local(types={"a100-80g": 4, "v100-32g": 4})
-    one = sp.make_plan(step, *shapes, cluster=cluster, config=sp.PlanConfig(max_stages=1))
-    budget = 0.4 * max(one.predicted.memory_bytes.values())
-    plan = sp.make_plan(step, *shapes, cluster=cluster,
-                        config=sp.PlanConfig(memory_budget_bytes=budget, pipeline=True))
+    config, state, step, plan, budget = _budget_planned("llama-tiny", 16, 0.4)
     assert len(plan.stages) >= 3
     run = sp.apply_plan(step, plan, measure_steps=0)
     run(state, models.example_batch(config, 16, seed=0))
