@@ -12,10 +12,13 @@ predicted peak, this script runs three steps of each plan and prints, per stage:
 * ``held``: the most one device of the stage held while a program ran: the program's own figure
   plus the arrays the pipeline driver kept beside it (optimizer state, gradient sums, other
   microbatches' saved values), as ``plan.compiled`` records it in the first step;
-* ``live``: the bytes of the arrays the runtime holds on the device after the third step (the
-  state it returned; measured with ``jax.live_arrays``, the reference step's arrays excluded).
+* ``resident``: what the plan predicts the stage keeps between steps (its layers' parameters
+  and optimizer state, ``plan.solver["resident_bytes"]``);
+* ``live``: what the device held after the third step, as the runtime measured it
+  (``plan.measured["live_bytes"]``: ``jax.live_arrays`` on CPU);
 
-and the ratios to the prediction and to the budget. Writes
+and the ratios to the prediction and to the budget, and whether the stage's stacked leaves
+(a scanned stack's) are held as its own rows. Writes
 ``benchmarks/results/pipeline_memory.json``.
 
 Usage: ``python benchmarks/pipeline_memory.py [--fractions 0.6 0.4 0.3]``
@@ -47,14 +50,6 @@ CASES = {"gpt loop": ("gpt-tiny", {}), "gpt scan": ("gpt-tiny-scan", {}),
 BATCH = 16
 
 
-def _live_bytes(arrays: list[jax.Array]) -> dict[int, int]:
-    out: dict[int, int] = defaultdict(int)
-    for x in arrays:
-        for shard in x.addressable_shards:
-            out[shard.device.id] += shard.data.nbytes
-    return out
-
-
 def run_case(name: str, fraction: float) -> dict:
     preset, overrides = CASES[name]
     config = models.load_model_config(preset, overrides={"n_layers": 4, **overrides})
@@ -69,13 +64,13 @@ def run_case(name: str, fraction: float) -> dict:
         budget = fraction * max(one.predicted.memory_bytes.values())
         plan = sp.make_plan(step, *shapes, cluster=cluster,
                             config=sp.PlanConfig(memory_budget_bytes=budget, pipeline=True))
-    run = sp.apply_plan(step, plan, measure_steps=0)
-    before = {id(x) for x in jax.live_arrays()}
+    run = sp.apply_plan(step, plan, measure_steps=2)  # the third step records live bytes
     for i in range(3):
         state, _ = run(state, models.example_batch(config, BATCH, seed=i))
     jax.block_until_ready(state)
-    live = _live_bytes([x for x in jax.live_arrays() if id(x) not in before])
     plan = run.plan
+    live = {int(d): b for d, b in plan.measured["live_bytes"].items()}
+    split = run._ready.rows.runs
     programs = defaultdict(list)
     for p in plan.compiled["programs"]:
         programs[p["stage"]].append(p)
@@ -89,8 +84,10 @@ def run_case(name: str, fraction: float) -> dict:
             "layers": [n for n in st.layers if n != "shared"], "remat": st.remat,
             "predicted_bytes": predicted, "compiled_bytes": largest["memory_bytes"],
             "compiled_program": largest["name"], "held_bytes": held,
+            "resident_bytes": plan.solver["resident_bytes"][str(st.index)],
             "live_bytes": max(live.get(d, 0) for d in st.mesh.device_ids)})
     return {"case": name, "fraction": fraction, "budget_bytes": budget,
+            "stacked_rows_split": bool(split),
             "replicas": [len(r.stages) for r in plan.replicas], "schedule": plan.schedule,
             "microbatch_size": plan.microbatch_size, "stages": stages}
 
@@ -102,7 +99,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     print(f"{'case':<11}{'budget':>6}{'stage':>6} {'remat':<10}{'predicted':>10}{'compiled':>10}"
-          f"{'held':>10}{'live':>10}{'comp/pred':>10}{'held/pred':>10}{'held/budget':>12}")
+          f"{'held':>10}{'comp/pred':>10}{'held/pred':>10}{'held/budget':>12}"
+          f"{'resident':>10}{'live':>10}{'live/res':>9}")
     for case in args.cases:
         for fraction in args.fractions:
             row = run_case(case, fraction)
@@ -111,9 +109,13 @@ def main() -> None:
                 p = s["predicted_bytes"]
                 print(f"{case:<11}{fraction:>6.2f}{s['stage']:>6} {s['remat']:<10}"
                       f"{p:>10,}{s['compiled_bytes']:>10,}{s['held_bytes']:>10,}"
-                      f"{s['live_bytes']:>10,}{s['compiled_bytes'] / p:>10.2f}"
-                      f"{s['held_bytes'] / p:>10.2f}"
-                      f"{s['held_bytes'] / row['budget_bytes']:>12.2f}", flush=True)
+                      f"{s['compiled_bytes'] / p:>10.2f}{s['held_bytes'] / p:>10.2f}"
+                      f"{s['held_bytes'] / row['budget_bytes']:>12.2f}"
+                      f"{s['resident_bytes']:>10,}{s['live_bytes']:>10,}"
+                      f"{s['live_bytes'] / max(s['resident_bytes'], 1):>9.2f}", flush=True)
+            if case.endswith("scan"):
+                print(f"{'':<11}(stacked leaves per stage: "
+                      f"{'yes' if row['stacked_rows_split'] else 'no'})")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({
         "benchmark": "pipeline_memory", "jax": jax.__version__, "batch": BATCH, "rows": rows,

@@ -296,10 +296,10 @@ def test_moe_with_experts_sharded_inside_each_stage() -> None:
     assert {d.id for d in new_state.sharding.device_set} == {4, 5}
 
 
-def _budget_planned(name: str, batch_size: int, fraction: float):
+def _budget_planned(name: str, batch_size: int, fraction: float, **overrides):
     """A 4-block tiny model, its step and the planner's pipeline plan on 4 A100 + 4 V100
     (local) under ``fraction`` of its one-stage replica's predicted peak, and that budget."""
-    config = models.load_model_config(name, overrides={"n_layers": 4})
+    config = models.load_model_config(name, overrides={"n_layers": 4, **overrides})
     graphdef, state = models.init_train_state(config, seed=0)
     step = models.make_train_step(graphdef)
     shapes = (jax.eval_shape(lambda: state),

@@ -142,6 +142,18 @@ def report_table(plan: Plan, /) -> tuple[list[str], list[list[str]]]:
     for name in dict.fromkeys(st.device_type for st in plan.stages):
         if name in budgets:
             rows.append([f"allowed on a {name}", bytes_cell(budgets[name]), "", "", ""])
+    # What stays on a device between steps: the model's parameters and optimizer state per
+    # stage, and what the devices held after the last timed step.
+    resident: Any = plan.solver.get("resident_bytes", {})
+    live: Any = measured.get("live_bytes", {})
+    if resident or live:
+        rows.append(["memory per device between steps (state)"])
+        for st in plan.stages:
+            kept = resident.get(str(st.index))
+            found = [live[str(d)] for d in st.mesh.device_ids if str(d) in live]
+            rows.append([stage_label(plan, st.index), bytes_cell(kept), "",
+                         bytes_cell(max(found)) if found else "",
+                         ratio_cell(kept, max(found) if found else None)])
     rows.append(["FLOPs per device per step"])
     for st in plan.stages:
         flops = (plan.predicted.stage_flops[st.index]
@@ -176,7 +188,8 @@ def plan_report(plan: Plan, /) -> str:
         lines.append("  (pipeline stages run several programs: compiled memory is the largest")
         lines.append("   one, compiled FLOPs the sum of the stage's programs for one microbatch;")
         lines.append("   measured memory is the most a device held while a program ran: the")
-        lines.append("   program's own figure plus the arrays the driver kept beside it)")
+        lines.append("   program's own figure plus the arrays the driver kept beside it;")
+        lines.append("   between steps, what the device held after the last timed step)")
     lines += ["", _ROW.format("", "predicted", "compiled", "measured", "ratio")]
     lines += [f"  {row[0]}" if len(row) == 1 else _ROW.format(*row) for row in rows]
     if len(rows[-1]) == 1:  # the collectives' heading, with no kind under it

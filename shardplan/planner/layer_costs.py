@@ -329,6 +329,7 @@ class _Readback:
             return analysis.local_bytes(graph, t)
 
         state = _state_bytes(graph, local, self.layers)
+        resident = _state_bytes(graph, local, self.layers, gradients=0)
         # What XLA keeps from the forward into the backward pass under each policy (full:
         # the layer's input only), per sample: weight casts and other batch-independent
         # values are not activations.
@@ -349,7 +350,8 @@ class _Readback:
                 update_s=phase[(i, "update")],
                 recompute_bytes={p: (saved[i]["none"] - saved[i][p]) / batch
                                  for p in REMATS},
-                work_bytes=work.get(i, 0) / batch)
+                work_bytes=work.get(i, 0) / batch,
+                resident_bytes=resident.get(i, 0.0))
         return out
 
 
@@ -395,12 +397,13 @@ def _dropped_by(graph: OpGraph, policy: str) -> set[int]:
     return out
 
 
-def _state_bytes(graph: OpGraph, local, layers: Collection[int] | None = None
-                 ) -> dict[int, float]:
-    """Per layer (of ``layers``, default all), bytes one device holds of its parameters, two
-    copies of their gradients (the sums over the microbatches, and one microbatch's fresh
-    gradients before they are added) and their optimizer state; a stacked leaf (a scanned
-    stack's) is split evenly over the layers that own it."""
+def _state_bytes(graph: OpGraph, local, layers: Collection[int] | None = None,
+                 gradients: int = 2) -> dict[int, float]:
+    """Per layer (of ``layers``, default all), bytes one device holds of its parameters,
+    ``gradients`` copies of their gradients (2: the sums over the microbatches, and one
+    microbatch's fresh gradients before they are added; 0: what stays between steps) and
+    their optimizer state; a stacked leaf (a scanned stack's) is split evenly over the layers
+    that own it."""
     owners: dict[str, list[int]] = defaultdict(list)
     for layer in graph.layers:
         for owned in layer.params:
@@ -412,7 +415,7 @@ def _state_bytes(graph: OpGraph, local, layers: Collection[int] | None = None
         path = p.param_path if p.role == "optimizer_state" else p.path
         if p.role not in ("parameter", "optimizer_state") or path is None or path not in owners:
             continue
-        nbytes = local(p.tensor) * (3 if p.role == "parameter" else 1)  # + two gradients
+        nbytes = local(p.tensor) * (1 + gradients if p.role == "parameter" else 1)
         for index in owners[path]:
             out[index] += nbytes / len(owners[path])
     return out

@@ -346,6 +346,7 @@ def _pipeline_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, costs: 
     stages: list[Stage] = []
     replicas: list[list[int]] = [[] for _ in pp.replicas]
     memory: dict[int, int] = {}
+    resident: dict[str, int] = {}  # per stage, the bytes per device it keeps between steps
     for index, ((r, i, st), devices) in enumerate(zip(flat, ids, strict=True)):
         group = cluster.groups[st.group]
         intra = costs.choices[(st.group, st.devices)]
@@ -365,6 +366,9 @@ def _pipeline_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, costs: 
         replicas[r].append(index)
         for d in devices:
             memory[d] = math.ceil(ev.memory_bytes[r][i])
+        options = [problem.kinds[problem.layers[x]].option(st.group, st.devices)
+                   for x in st.layers]
+        resident[str(index)] = math.ceil(sum(o.resident_bytes for o in options if o))
     param_specs = _first_holders(graph, stages, replicas[0], layouts)
     slowest = max(range(len(pp.replicas)), key=lambda r: ev.replica_time_s[r])
     communication = ev.sync_s + sum(ev.hop_time_s[slowest])
@@ -384,6 +388,7 @@ def _pipeline_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, costs: 
         "throughput_samples_per_s": ev.throughput,
         "configs": stats.configs, "labels": stats.labels, "shapes": stats.shapes,
         "states": stats.states,
+        "resident_bytes": resident,
         # the final pick (solver/portfolio.py): the search's plan or a baseline seed it did
         # not beat, with every candidate's closed-form and simulated step time
         "chosen": solution.source,

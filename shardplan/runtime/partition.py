@@ -17,9 +17,11 @@ A ``scan`` over a scanned block stack (``nnx.scan``: one loop over stacked param
 rows lie on several virtual stages is cut into one *segment* per run of rows: the segment scans
 its rows of the inputs, the carries chain from segment to segment, and the transposed scan of
 the backward pass is cut at the same rows, each backward segment reading its own forward
-segment's saved rows (so saved activations stay on their stage). The stacked outputs (the
-stacked gradients) are joined where the last segment runs. A task holding segments is
-evaluated equation by equation (``primitive.bind``) under ``jax.jit``.
+segment's saved rows (so saved activations stay on their stage). A stacked leaf held as
+per-stage pieces (:mod:`shardplan.runtime.rows`) is read by each segment as its piece, and
+the stacked gradients are handed on as the pieces the backward segments produced; otherwise
+they are joined where the last segment runs. A task holding segments is evaluated equation by
+equation (``primitive.bind``) under ``jax.jit``.
 
 A cut value that autodiff sums from terms computed on several stages (the gradient of a
 parameter read by layers of several stages: a tied embedding's lookup and output head) is not
@@ -53,8 +55,9 @@ from jax.extend import core as jcore
 from shardplan.errors import PipelineError, format_error
 from shardplan.kernels.registry import PREFIX as KERNEL_PREFIX
 from shardplan.runtime.accumulate import StepSplit, autodiff_phase
+from shardplan.runtime.rows import RowSplit, Runs, bind
 
-__all__ = ["Program", "VirtualStages", "gradient_programs", "update_programs",
+__all__ = ["Program", "VirtualStages", "gradient_programs", "row_runs", "update_programs",
            "virtual_stages"]
 
 Input = tuple[str, Any]
@@ -261,8 +264,8 @@ class _Piece:
 @dataclass(frozen=True, eq=False)
 class _Item:
     """One step of a task: a jaxpr equation (``eqn``), the rows ``[a, b)`` of a scan cut by
-    stage (``segment``; ``sliced``: its inputs to cut to those rows), or rows joined back into
-    the stacked value (``join``)."""
+    stage (``segment``; ``sliced``: its inputs to cut to those rows), rows joined back into
+    the stacked value (``join``), or the rows ``[a, b)`` of a stacked value (``rows``)."""
 
     kind: str
     eqn: Any
@@ -273,16 +276,42 @@ class _Item:
     sliced: tuple[bool, ...] = ()
 
 
+def row_runs(rows: Sequence[str], owner: Mapping[str, int]) -> Runs:
+    """The runs ``[a, b)`` of consecutive rows of a stack (its layers in row order) that lie
+    on one virtual stage each."""
+    runs: list[tuple[int, int]] = []
+    for r in range(len(rows)):
+        if r and owner[rows[r]] == owner[rows[r - 1]]:
+            runs[-1] = (runs[-1][0], r + 1)
+        else:
+            runs.append((r, r + 1))
+    return tuple(runs)
+
+
 def _cut_scans(eqns: Sequence[Any], names: Sequence[frozenset[str]], virtual: VirtualStages,
                stacks: Mapping[str, tuple[Sequence[str], frozenset[int]]],
-               state_leaf: Mapping[Any, int], outputs: Sequence[Any]) -> list[_Item]:
+               state_leaf: Mapping[Any, int], outputs: Sequence[Any],
+               state_pieces: Mapping[Any, tuple[tuple[str, ...], Mapping[tuple[int, int], Any]]]
+               | None = None,
+               cut_runs: Mapping[int, Runs] | None = None,
+               ) -> tuple[list[_Item], list[Any], dict[int, Runs]]:
     """The equations as items, each ``scan`` over a stack whose rows lie on several virtual
     stages cut into one segment per run of rows (forward and backward scans alike, carries
     chained). A backward segment reads its forward segment's rows directly, so saved
-    activations stay on their stage; joins nobody reads are dropped."""
+    activations stay on their stage; joins nobody reads are dropped.
+
+    ``state_pieces``: per state leaf held as pieces (:mod:`shardplan.runtime.rows`), its
+    stack's rows and its pieces; a segment reads its piece. ``cut_runs``: per output to hand
+    on as pieces, its runs (``None``: every output that a cut scan stacks, by its own runs).
+    Returns the items, the outputs (an output with runs replaced by its pieces) and the runs
+    of the outputs so handed on."""
     items: list[_Item] = []
     pieces: dict[Any, dict[tuple[int, int], Any]] = {}
     stacked: dict[Any, tuple[str, ...]] = {}  # a cut scan's stacked outputs -> its rows
+    for v, (rows_of, parts_of) in (state_pieces or {}).items():
+        pieces[v], stacked[v] = dict(parts_of), tuple(rows_of)
+        items.append(_Item("join", None, tuple(parts_of[r] for r in sorted(parts_of)), (v,),
+                           frozenset()))
     for e, label in zip(eqns, names, strict=True):
         held = {virtual.owner[n] for n in label if n in virtual.owner}
         rows = next((tuple(layers) for layers, _ in stacks.values() if label <= set(layers)),
@@ -309,12 +338,7 @@ def _cut_scans(eqns: Sequence[Any], names: Sequence[frozenset[str]], virtual: Vi
             continue
         nc, ncar = e.params["num_consts"], e.params["num_carry"]
         consts, carry, xs = e.invars[:nc], e.invars[nc:nc + ncar], e.invars[nc + ncar:]
-        runs: list[tuple[int, int]] = []
-        for r in range(len(rows)):
-            if r and virtual.owner[rows[r]] == virtual.owner[rows[r - 1]]:
-                runs[-1] = (runs[-1][0], r + 1)
-            else:
-                runs.append((r, r + 1))
+        runs = row_runs(rows, virtual.owner)
         parts: list[list[tuple[int, int, Any]]] = [[] for _ in e.outvars[ncar:]]
         for a, b in (reversed(runs) if e.params["reverse"] else runs):
             seg_xs = [pieces.get(x, {}).get((a, b)) if _is_var(x) else None for x in xs]
@@ -336,14 +360,28 @@ def _cut_scans(eqns: Sequence[Any], names: Sequence[frozenset[str]], virtual: Vi
             pieces[v] = {(a, b): y for a, b, y in ps}
             stacked[v] = rows
             items.append(_Item("join", None, tuple(y for _, _, y in ps), (v,), frozenset()))
-    needed = {v for v in outputs if _is_var(v)}
+    if cut_runs is None:
+        cut_runs = {k: tuple(sorted(pieces[v])) for k, v in enumerate(outputs)
+                    if _is_var(v) and v in pieces and len(pieces[v]) > 1}
+    handed: list[Any] = []
+    for k, v in enumerate(outputs):
+        if k not in cut_runs:
+            handed.append(v)
+            continue
+        mine = pieces.get(v, {})
+        for a, b in cut_runs[k]:
+            if (a, b) not in mine:  # rows of another cut: sliced where the value is
+                mine[a, b] = _Piece(v.aval.update(shape=(b - a, *v.aval.shape[1:])))
+                items.append(_Item("rows", None, (v,), (mine[a, b],), frozenset(), (a, b)))
+            handed.append(mine[a, b])
+    needed = {v for v in handed if _is_var(v)}
     kept: list[_Item] = []
     for item in reversed(items):
         if item.kind == "join" and not needed & set(item.outvars):
             continue
         kept.append(item)
         needed.update(v for v in item.invars if _is_var(v))
-    return kept[::-1]
+    return kept[::-1], handed, dict(cut_runs)
 
 
 def _interpreted(items: Sequence[_Item], constvars: Sequence[Any], consts: Sequence[Any],
@@ -360,6 +398,8 @@ def _interpreted(items: Sequence[_Item], constvars: Sequence[Any], consts: Seque
             if item.kind == "join":
                 values = [read(v) for v in item.invars]
                 out = [values[0] if len(values) == 1 else jax.lax.concatenate(values, 0)]
+            elif item.kind == "rows":
+                out = [jax.lax.slice_in_dim(read(item.invars[0]), *item.rows, axis=0)]
             else:
                 e = item.eqn
                 values = [read(v) for v in item.invars]
@@ -372,13 +412,7 @@ def _interpreted(items: Sequence[_Item], constvars: Sequence[Any], consts: Seque
                     if isinstance(params.get("unroll"), int) and not isinstance(
                             params["unroll"], bool):
                         params["unroll"] = max(1, min(params["unroll"], b - a))
-                bind_params = e.primitive.get_bind_params(params)
-                subfuns: Sequence[Any] = ()
-                if isinstance(bind_params, tuple):  # (sub-functions, params) before jax 0.9
-                    subfuns, bind_params = bind_params
-                out = e.primitive.bind(*subfuns, *values, **bind_params)
-                if not e.primitive.multiple_results:
-                    out = [out]
+                out = bind(e, values, params)
             env.update(zip(item.outvars, out, strict=True))
         return [read(v) for v in outputs]
 
@@ -390,7 +424,9 @@ def gradient_programs(split: StepSplit, labels: Mapping[tuple[int, ...], frozens
                       stacks: Mapping[str, tuple[Sequence[str], frozenset[int]]] | None = None,
                       remat: Mapping[int, str] | None = None,
                       rerun: Mapping[str, Collection[tuple[int, ...]]] | None = None,
-                      ) -> list[Program]:
+                      rows: RowSplit | None = None,
+                      cut_runs: Mapping[int, Runs] | None = None,
+                      ) -> tuple[list[Program], list[Any], dict[int, Runs]]:
     """The gradient part of one replica cut into its tasks (the module docstring).
 
     Args:
@@ -410,6 +446,14 @@ def gradient_programs(split: StepSplit, labels: Mapping[tuple[int, ...], frozens
         backward task computes again instead of receiving their values (the runtime's
         ``_labels``: values XLA's fusion keeps out of memory, and under ``selective`` the
         attention core).
+      rows: the state leaves held as pieces (:mod:`shardplan.runtime.rows`): a program reads
+        ``("state", i)`` for internal leaf ``i``.
+      cut_runs: per cut value to hand on as pieces, its runs (``None``: with ``rows``, every
+        stacked output of a cut scan, by its runs; else none).
+
+    Returns:
+      The tasks; their cut outputs, the internal cut values (``RowSplit(n_cut, runs)``: a
+      value handed on as pieces replaced by them); and the runs of those so handed on.
 
     Raises:
       PipelineError: an equation belongs to layers of several virtual stages, or reads a value
@@ -418,9 +462,26 @@ def gradient_programs(split: StepSplit, labels: Mapping[tuple[int, ...], frozens
     # Nested jit calls are cut into their equations, each with its path (_inline_calls).
     jaxpr, paths = _inline_calls(split.gradient.jaxpr, [(i,) for i in split.gradient_index])
     big_k = virtual.count
-    eqns = _cut_scans(jaxpr.eqns, [labels.get(p, frozenset()) for p in paths],
-                      virtual, stacks or {},
-                      {v: j for j, v in enumerate(jaxpr.invars[:n_state])}, jaxpr.outvars)
+    rows = rows or RowSplit(n_state, {})
+    state_pieces: dict[Any, tuple[tuple[str, ...], dict[tuple[int, int], Any]]] = {}
+    sources: dict[Any, Input] = {}
+    for j, v in enumerate(jaxpr.invars[:n_state]):
+        if j not in rows.runs:
+            sources[v] = ("state", rows.index(j))
+            continue
+        stack = next((tuple(layers) for layers, leaves in (stacks or {}).values()
+                      if j in leaves), None)
+        if stack is None:  # (optimizer state of a stacked leaf: the gradient does not read it)
+            continue
+        row_parts = {r: _Piece(v.aval.update(shape=(r[1] - r[0], *v.aval.shape[1:])))
+                     for r in rows.runs[j]}
+        state_pieces[v] = (stack, row_parts)
+        sources.update({p: ("state", rows.index(j, r)) for r, p in row_parts.items()})
+    sources.update({v: ("batch", j) for j, v in enumerate(jaxpr.invars[n_state:])})
+    eqns, outvars, runs = _cut_scans(
+        jaxpr.eqns, [labels.get(p, frozenset()) for p in paths], virtual, stacks or {},
+        {v: j for j, v in enumerate(jaxpr.invars[:n_state])}, jaxpr.outvars, state_pieces,
+        cut_runs if cut_runs is not None or rows.runs else {})
     producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
     order: list[int | None] = []
     for i, e in enumerate(eqns):
@@ -459,14 +520,12 @@ def gradient_programs(split: StepSplit, labels: Mapping[tuple[int, ...], frozens
             later = [o for v in eqns[i].outvars for j in readers.get(v, ())
                      if (o := order[j]) is not None]
             order[i] = min(later) if later else 2 * big_k - 1
-    missing = [v for v in jaxpr.outvars if not _is_var(v) or v not in producer]
+    missing = [v for v in outvars if not _is_var(v) or v not in producer]
     if missing:
         raise PipelineError(format_error(
             "A value the update reads is not computed by the forward or backward pass.",
             where="the gradient part's outputs", value=[str(v) for v in missing],
             remedy="compute every returned metric from the batch or the gradients"))
-    sources: dict[Any, Input] = {v: ("state", j) for j, v in enumerate(jaxpr.invars[:n_state])}
-    sources.update({v: ("batch", j) for j, v in enumerate(jaxpr.invars[n_state:])})
     groups = [(o, virtual.stages[virtual.position[o if o < big_k else 2 * big_k - 1 - o]])
               for o in range(2 * big_k)]
     group_of = [int(o) for o in order if o is not None]
@@ -480,13 +539,13 @@ def gradient_programs(split: StepSplit, labels: Mapping[tuple[int, ...], frozens
     for g, extra in again.items():
         for i in extra:
             runs_of[i].add(g)
-    terms = _cross_stage_terms(eqns, group_of, producer, readers, jaxpr.outvars,
+    terms = _cross_stage_terms(eqns, group_of, producer, readers, outvars,
                                [stage for _, stage in groups])
     for v, parts in terms.items():  # the adds joining terms of several stages: not run
-        for i in _sum_tree(v, eqns, producer, readers, jaxpr.outvars, parts):
+        for i in _sum_tree(v, eqns, producer, readers, outvars, parts):
             group_of[i] = -1
     term_of = {t: v for v, parts in terms.items() for t in parts}
-    cut = (set(jaxpr.outvars) - set(terms)) | set(term_of)
+    cut = (set(outvars) - set(terms)) | set(term_of)
 
     def keep(v: Any, g: int) -> bool:
         # Only the task that owns an equation hands its results on, to the tasks that read
@@ -498,7 +557,7 @@ def gradient_programs(split: StepSplit, labels: Mapping[tuple[int, ...], frozens
     programs = _programs(jaxpr, split.gradient.consts, eqns, groups, group_of, sources, keep,
                          again=again)
     return [dataclasses.replace(p, terms={v: term_of[v] for v in p.outputs if v in term_of})
-            if any(v in term_of for v in p.outputs) else p for p in programs]
+            if any(v in term_of for v in p.outputs) else p for p in programs], outvars, runs
 
 
 def _sum_tree(v: Any, eqns: Sequence[_Item], producer: Mapping[Any, int],

@@ -42,8 +42,12 @@ A one-stage replica is the degenerate case (tasks ``F_0`` and ``B_0`` on one sub
 data parallelism across device types with uneven microbatch counts.
 
 A scanned stack (``nnx.scan``) whose rows lie on several stages is cut into per-stage segments
-(:func:`~shardplan.runtime.partition.gradient_programs`). Its stacked parameters still live
-whole on one stage between steps (each stage reads its rows from a full copy).
+(:func:`~shardplan.runtime.partition.gradient_programs`), and its stacked leaves are held as
+per-stage pieces (:mod:`shardplan.runtime.rows`): the driver works on the *internal* leaves
+(a stacked leaf replaced by its pieces) and shows the user each stacked leaf as one array over
+the stages' devices. Where no ``NamedSharding`` describes the pieces (uneven runs, interleaved
+stages, unlike sub-meshes) the leaf lives whole on one stage, each stage reading its rows from
+a full copy.
 """
 
 from __future__ import annotations
@@ -71,10 +75,13 @@ from shardplan.runtime.accumulate import StepSplit, reduction_kinds, split_batch
 from shardplan.runtime.partition import (
     Program,
     VirtualStages,
+    _is_var,
     gradient_programs,
+    row_runs,
     update_programs,
     virtual_stages,
 )
+from shardplan.runtime.rows import RowSplit, assembled, expressible, split_rows
 from shardplan.runtime.spmd import leaf_shardings, stage_mesh
 from shardplan.runtime.verify import (
     MEASURE_STEPS,
@@ -82,6 +89,7 @@ from shardplan.runtime.verify import (
     check_arguments,
     check_fits,
     compiled_figures,
+    device_bytes,
 )
 from shardplan.solver.pipeline import Schedule
 from shardplan.solver.simulate import device_order
@@ -235,6 +243,11 @@ class _Prepared:
     shardings: dict[int, tuple[list[Any], list[Any]]]  # stage -> state, batch leaf shardings
     needs: dict[int, list[int]]  # stage -> the state leaves it reads
     state_avals: list[Any]
+    rows: RowSplit  # the state leaves held as pieces (the internal leaves, rows.py)
+    cut_rows: RowSplit  # the cut values handed on as pieces
+    cut_vars: list[list[Any]]  # per replica, its tasks' internal cut values
+    cut_avals: list[Any]  # the internal cut values' avals
+    user_shapes: list[Any]  # the user's state leaves' shapes
 
 
 class PipelinedStep:
@@ -266,8 +279,9 @@ class PipelinedStep:
         # containers of arrays to count (set per call).
         self._beside: dict[tuple[int, str], int] = {}
         self._holdings: list[Callable[[], Any]] = []
-        self._returned: list[Any] = []  # the state leaves the last call returned
+        self._returned: list[Any] = []  # the internal state leaves the last call returned
         self._located: list[int] = []  # and their stages
+        self._user_returned: list[Any] = []  # the user's leaves it returned (rows.py)
         self.peak_microbatches: dict[int, int] = {}
         """After a call: per stage (index into ``plan.stages``), the most microbatches whose
         values (activations, residuals) the stage held at once."""
@@ -285,8 +299,6 @@ class PipelinedStep:
         virtual = [virtual_stages([plan.stages[i].layers for i in r.stages], r.stages,
                                   layer_order, chunks) for r in self._replicas]
         remat = {st.index: st.remat for st in plan.stages}
-        tasks = [gradient_programs(split, labels, v, n_state, stacks, remat, rerun)
-                 for v in virtual]
         shardings = {}
         for st in plan.stages:
             layout = plan.layouts[st.layout] if st.layout else Layout(
@@ -296,8 +308,29 @@ class PipelinedStep:
                                                self._meshes[st.index], "state")),
                 jax.tree.leaves(leaf_shardings(parts[0], layout.batch_specs,
                                                self._meshes[st.index], "batch")))
+        rows = _row_split(split, state, stacks, virtual[0], shardings)
+        first, handed, cut_runs = gradient_programs(split, labels, virtual[0], n_state, stacks,
+                                                    remat, rerun, rows)
+        tasks, cut_vars = [first], [handed]
+        for v in virtual[1:]:
+            more, handed, _ = gradient_programs(split, labels, v, n_state, stacks, remat,
+                                                rerun, rows, cut_runs)
+            tasks.append(more)
+            cut_vars.append(handed)
+        cut_rows = RowSplit(len(split.cut_avals), cut_runs)
+        if rows.runs or cut_runs:  # the update over the pieces (rows.py)
+            update_jaxpr = split_rows(
+                split.update,
+                [*(rows.runs.get(j) for j in range(n_state)),
+                 *(cut_runs.get(i) for i in range(len(split.cut_avals)))],
+                [rows.runs.get(j) if j < n_state else None
+                 for j in range(len(split.update.jaxpr.outvars))])
+            split = dataclasses.replace(split, update=update_jaxpr,
+                                        cut_avals=tuple(cut_rows.avals(split.cut_avals)))
+            for s, (state_sh, batch_sh) in shardings.items():
+                shardings[s] = ([state_sh[j] for j, _ in rows.internal], batch_sh)
         read_at: dict[int, int] = {}
-        cut_index = {v: i for i, v in enumerate(split.gradient.jaxpr.outvars)}
+        cut_index = {v: i for i, v in enumerate(cut_vars[0])}
         cut_at = [0] * len(cut_index)
         for prog in sorted(tasks[0], key=lambda t: t.key):
             for kind, j in prog.inputs:
@@ -316,9 +349,13 @@ class PipelinedStep:
         for w in where:
             if w[0] == "state":
                 needs.setdefault(home[w[1]], set()).add(w[1])
-        return _Prepared(split, kinds, virtual, tasks, update, where, home, cut_at, shardings,
+        n_internal = len(rows.internal)
+        return _Prepared(split, tuple(kinds[i] for i, _ in cut_rows.internal), virtual, tasks,
+                         update, where, home, cut_at, shardings,
                          {s: sorted(js) for s, js in needs.items()},
-                         [v.aval for v in split.update.jaxpr.invars[:n_state]])
+                         [v.aval for v in split.update.jaxpr.invars[:n_internal]], rows,
+                         cut_rows, cut_vars, list(split.cut_avals),
+                         [np.shape(x) for x in jax.tree.leaves(state)])
 
     # -- one step -------------------------------------------------------------------------
 
@@ -434,6 +471,9 @@ class PipelinedStep:
         if clocked:
             self._stage_busy = {}
         out, done = timer.run(lambda: self._call(state, batch))
+        # The driver's containers (placed copies, gradient sums, the update's values) are the
+        # step's: drop them, or the device holds them until the next step.
+        self._holdings = []
         if self._compiled is not None:
             figures = compiled_figures(self._compiled)
             for program in figures["programs"]:
@@ -450,6 +490,9 @@ class PipelinedStep:
                     measured["step_time_s"] = statistics.median(timer.step_times_s[:-1])
                     measured["steps"] -= 1
                 measured["stage_time_s"] = {str(st): t for st, t in sorted(busy.items())}
+                # what each device holds after the step (the state it returned, chiefly)
+                measured.update(device_bytes(
+                    d for st in self.plan.stages for d in st.mesh.device_ids))
                 self.plan = dataclasses.replace(self.plan, measured=measured)
         return out
 
@@ -460,14 +503,13 @@ class PipelinedStep:
             self._ready = self._prepare(state, parts)
         ready = self._ready
         split, mover = ready.split, self._mover
-        placed = self._place(ready, jax.tree.leaves(state))
-        cut_index = {v: i for i, v in enumerate(split.gradient.jaxpr.outvars)}
-        sums: list[Any] = [None] * len(cut_index)
+        placed = self._place(ready, self._internal(ready, jax.tree.leaves(state)))
+        sums: list[Any] = [None] * len(ready.cut_avals)
         self._holdings = [lambda: list(placed.values()), lambda: sums]
         first = 0
         for r, count in enumerate(self._counts):
             local, at = self._run_replica(r, ready, placed, parts[first:first + count],
-                                          cut_index)
+                                          {v: i for i, v in enumerate(ready.cut_vars[r])})
             for i, x in enumerate(local):
                 if r:
                     x = mover.move(x, split.cut_avals[i], at[i], ready.cut_at[i])
@@ -538,7 +580,45 @@ class PipelinedStep:
             leaves.append(x)
             located.append(s)
         self._returned, self._located = leaves[:n_state], located[:n_state]
-        return jax.tree.unflatten(split.out_tree, leaves)
+        users = self._users(ready, leaves[:n_state])
+        self._user_returned = users
+        return jax.tree.unflatten(split.out_tree, [*users, *leaves[n_state:]])
+
+    def _internal(self, ready: _Prepared, leaves: list[Any]) -> list[Any]:
+        """The internal state leaves of the user's (a stacked leaf held as pieces: the pieces
+        the last call returned, else its rows sliced)."""
+        if not ready.rows.runs:
+            return leaves
+        out = []
+        for n, (j, r) in enumerate(ready.rows.internal):
+            x = leaves[j]
+            if r is None:
+                out.append(x)
+            elif j < len(self._user_returned) and x is self._user_returned[j]:
+                out.append(self._returned[n])
+            else:
+                out.append(x[r[0]:r[1]])
+        return out
+
+    def _users(self, ready: _Prepared, leaves: list[Any]) -> list[Any]:
+        """The user's state leaves of the internal ones: a stacked leaf's pieces shown as one
+        array over their stages' devices (``rows.assembled``)."""
+        if not ready.rows.runs:
+            return leaves
+        out: list[Any] = []
+        for n, (j, r) in enumerate(ready.rows.internal):
+            if r is None:
+                out.append(leaves[n])
+            elif r == ready.rows.runs[j][0]:
+                parts = leaves[n:n + len(ready.rows.runs[j])]
+                whole = assembled(ready.user_shapes[j], parts)
+                if whole is None:  # _row_split only splits leaves that assemble
+                    raise PipelineError(format_error(
+                        "A stacked leaf's per-stage rows do not form one array.",
+                        where=f"state leaf {j}", value=[p.sharding for p in parts],
+                        remedy="report this with the plan"))
+                out.append(whole)
+        return out
 
     def _run_replica(self, r: int, ready: _Prepared, placed: dict[tuple[int, int], Any],
                      parts: Sequence[Any],
@@ -599,6 +679,48 @@ class PipelinedStep:
                 x = y if x is None else x + y
             local[i] = x
         return local, at
+
+
+def _row_split(split: StepSplit, state: Any,
+               stacks: dict[str, tuple[list[str], frozenset[int]]], virtual: VirtualStages,
+               shardings: dict[int, tuple[list[Any], list[Any]]]) -> RowSplit:
+    """The state leaves to hold as per-stage pieces (rows.py): the stacked leaves a top-level
+    scan of the gradient part reads row by row, for a stack whose rows lie on several of
+    replica 0's stages, and the optimizer state of their shape; each only where its pieces
+    form one array over their stages' devices (``rows.expressible``; else it stays whole on
+    one stage)."""
+    jaxpr = split.gradient.jaxpr
+    leaves = jax.tree.leaves(state)
+    invar = {v: j for j, v in enumerate(jaxpr.invars[:len(leaves)])}
+    runs: dict[int, tuple[tuple[int, int], ...]] = {}
+    where: dict[tuple[tuple[int, int], ...], list[int]] = {}  # runs -> their stages
+
+    def fits(j: int, r: tuple[tuple[int, int], ...]) -> bool:
+        return expressible([shardings[s][0][j] for s in where[r]], r, np.ndim(leaves[j]))
+
+    for layers, owned in stacks.values():
+        if not all(name in virtual.owner for name in layers):
+            continue
+        r = row_runs(layers, virtual.owner)
+        where[r] = [virtual.stages[virtual.position[virtual.owner[layers[a]]]] for a, _ in r]
+        if len(r) < 2:
+            continue
+        for e in jaxpr.eqns:
+            if e.primitive.name != "scan" or e.params["length"] != len(layers):
+                continue
+            for x in e.invars[e.params["num_consts"] + e.params["num_carry"]:]:
+                j = invar.get(x) if _is_var(x) else None
+                if j is not None and j in owned and np.shape(leaves[j])[:1] == (len(layers),) \
+                        and fits(j, r):
+                    runs[j] = r
+    read = {invar[v] for e in jaxpr.eqns for v in e.invars if _is_var(v) and v in invar}
+    for j, x in enumerate(leaves):
+        if j in runs or j in read:
+            continue
+        alike = {runs[k] for k in runs if np.shape(leaves[k]) == np.shape(x)}
+        if len(alike) == 1 and fits(j, r := alike.pop()):
+            runs[j] = r
+    return RowSplit(len(leaves), runs)
 
 
 @functools.partial(jax.jit, static_argnums=1)

@@ -27,6 +27,7 @@ from shardplan.runtime.verify import (
     check_arguments,
     check_fits,
     compiled_figures,
+    device_bytes,
 )
 
 __all__ = ["PlannedStep", "apply_plan", "leaf_shardings", "stage_mesh", "state_shardings"]
@@ -148,6 +149,7 @@ class PlannedStep:
         if done:
             measured = self._timer.measured()
             measured["stage_time_s"] = {"0": measured["step_time_s"]}
+            measured.update(device_bytes(self.plan.stages[0].mesh.device_ids))
             self.plan = dataclasses.replace(self.plan, measured=measured)
         return out
 

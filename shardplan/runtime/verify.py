@@ -14,7 +14,7 @@ from __future__ import annotations
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -30,8 +30,9 @@ from shardplan.planner.stamp import arg_types, cluster_info
 from shardplan.trace import trace
 from shardplan.xla.report import MemoryReport, read_compiled
 
-__all__ = ["FIT_WARNING_RATIO", "MEASURE_STEPS", "StepTimer", "check_arguments", "check_fits", "check_plan",
-           "compiled_figures", "compiled_memory", "device_capacity", "memory_allowed"]
+__all__ = ["FIT_WARNING_RATIO", "MEASURE_STEPS", "StepTimer", "check_arguments", "check_fits",
+           "check_plan", "compiled_figures", "compiled_memory", "device_bytes", "device_capacity",
+           "memory_allowed"]
 
 MEASURE_STEPS = 10
 """Steps timed after the first (which compiles) before ``plan.measured`` is recorded."""
@@ -196,6 +197,37 @@ def check_fits(plan: Plan, figures: dict[str, Any]) -> None:
                 remedy="plan with a smaller sp.PlanConfig(memory_budget_bytes=...) to leave "
                        "the difference free, and report the model this happened with"),
                 ShardplanWarning, stacklevel=2)
+
+
+def device_bytes(device_ids: Iterable[int], /) -> dict[str, Any]:
+    """What the devices hold now, for :attr:`Plan.measured`: per device id, its bytes in use
+    (``live_bytes``) as the backend reports them (``device.memory_stats()``: GPU, with its
+    peak since start as ``peak_bytes``), else the shards of every live ``jax.Array`` on it
+    (CPU: ``jax.live_arrays``, which also counts the process's other arrays there); and which
+    of the two it is (``live_source``)."""
+    devices = jax.devices()
+    wanted = [devices[i] for i in device_ids]
+    stats = [d.memory_stats() or {} for d in wanted]
+    if wanted and all("bytes_in_use" in st for st in stats):
+        pairs = list(zip(wanted, stats, strict=True))
+        out: dict[str, Any] = {
+            "live_bytes": {str(d.id): int(st["bytes_in_use"]) for d, st in pairs},
+            "live_source": "memory_stats"}
+        if all("peak_bytes_in_use" in st for st in stats):
+            out["peak_bytes"] = {str(d.id): int(st["peak_bytes_in_use"]) for d, st in pairs}
+        return out
+    live = {d.id: 0 for d in wanted}
+    seen: set[tuple[int, int]] = set()  # arrays sharing a buffer (a view, rows.assembled)
+    for x in jax.live_arrays():
+        if x.is_deleted():
+            continue
+        for shard in x.addressable_shards:
+            if shard.device.id in live:
+                key = (shard.device.id, shard.data.unsafe_buffer_pointer())
+                if key not in seen:
+                    seen.add(key)
+                    live[shard.device.id] += int(shard.data.nbytes)
+    return {"live_bytes": {str(d): n for d, n in live.items()}, "live_source": "live_arrays"}
 
 
 class StepTimer:

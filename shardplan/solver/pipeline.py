@@ -197,6 +197,9 @@ class LayerOption:
       work_bytes: the buffers the backward pass makes and frees while it runs this layer, at
         their peak, per sample, per device; a stage's backward program holds the largest of
         its layers'.
+      resident_bytes: per device, what stays between steps: the parameters and their
+        optimizer state (``state_bytes`` less the two gradient copies). Reported, not
+        planned on.
     """
 
     devices: int
@@ -208,6 +211,7 @@ class LayerOption:
     update_s: float
     recompute_bytes: Mapping[str, float] = field(default_factory=dict)
     work_bytes: float = 0.0
+    resident_bytes: float = 0.0
 
 
 def stage_work(recompute: float, work: float) -> float:
