@@ -244,9 +244,7 @@ class _Prepared:
     needs: dict[int, list[int]]  # stage -> the state leaves it reads
     state_avals: list[Any]
     rows: RowSplit  # the state leaves held as pieces (the internal leaves, rows.py)
-    cut_rows: RowSplit  # the cut values handed on as pieces
     cut_vars: list[list[Any]]  # per replica, its tasks' internal cut values
-    cut_avals: list[Any]  # the internal cut values' avals
     user_shapes: list[Any]  # the user's state leaves' shapes
 
 
@@ -354,7 +352,7 @@ class PipelinedStep:
                          update, where, home, cut_at, shardings,
                          {s: sorted(js) for s, js in needs.items()},
                          [v.aval for v in split.update.jaxpr.invars[:n_internal]], rows,
-                         cut_rows, cut_vars, list(split.cut_avals),
+                         cut_vars,
                          [np.shape(x) for x in jax.tree.leaves(state)])
 
     # -- one step -------------------------------------------------------------------------
@@ -504,7 +502,7 @@ class PipelinedStep:
         ready = self._ready
         split, mover = ready.split, self._mover
         placed = self._place(ready, self._internal(ready, jax.tree.leaves(state)))
-        sums: list[Any] = [None] * len(ready.cut_avals)
+        sums: list[Any] = [None] * len(split.cut_avals)
         self._holdings = [lambda: list(placed.values()), lambda: sums]
         first = 0
         for r, count in enumerate(self._counts):

@@ -23,6 +23,7 @@ and restores the leaf as any other sharded array.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -62,7 +63,7 @@ class RowSplit:
     count: int
     runs: Mapping[int, Runs]
 
-    @property
+    @functools.cached_property
     def internal(self) -> list[tuple[int, tuple[int, int] | None]]:
         """Per internal leaf, its leaf and rows (``None``: the whole leaf)."""
         return [(j, r) for j in range(self.count) for r in self.runs.get(j, (None,))]
@@ -76,10 +77,6 @@ class RowSplit:
         return [avals[j] if r is None else avals[j].update(shape=(r[1] - r[0],
                                                                  *avals[j].shape[1:]))
                 for j, r in self.internal]
-
-    def pieces(self, leaves: Sequence[Any]) -> list[Any]:
-        """The internal leaves of ``leaves`` (a split leaf sliced; on its own device)."""
-        return [leaves[j] if r is None else leaves[j][r[0]:r[1]] for j, r in self.internal]
 
 
 @dataclass(frozen=True)
