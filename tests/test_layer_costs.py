@@ -60,11 +60,34 @@ def test_block_figures(unrolled) -> None:
     assert act["none"] > act["selective"] > act["full"] == block.boundary_bytes
     # The backward recomputes what a policy does not keep, and makes its own transients.
     assert a100.recompute_bytes == {p: act["none"] - act[p] for p in act}
-    assert 0 < a100.work_bytes < act["none"]
+    assert 0 < a100.work_bytes["none"] < act["none"]
     rc = a100.recompute_s
     assert rc["none"] == (0.0, 0.0)
     assert 0 < rc["selective"][1] < rc["full"][1] <= a100.forward_s[1]
     assert a100.update_s > 0
+
+
+def test_the_head_holds_the_tied_embedding_it_reads_during_the_step(unrolled) -> None:
+    # gpt-tiny ties its output head to the token embedding, which the first layer owns: the
+    # stage running the head holds a copy of it, the sums of its gradient term and one
+    # microbatch's fresh term (not between steps: resident bytes leave them out).
+    config, graph, costs = unrolled
+    layer = {layer.name: layer for layer in graph.layers}
+    post, pre = costs.kinds[2].options[0][0], costs.kinds[0].options[0][0]
+    wte = config.vocab_size * config.d_model * 4
+    assert post.state_bytes == 5 * layer["post"].param_bytes + 3 * wte
+    assert post.resident_bytes == 3 * layer["post"].param_bytes
+    # The first layer owns it: no copy there.
+    assert pre.state_bytes == 5 * layer["pre"].param_bytes
+
+
+def test_selective_remat_work_holds_the_recomputed_attention_core(unrolled) -> None:
+    # Under selective remat the backward computes the attention core again when the layer's
+    # backward starts; those values live beside its transients.
+    _, _, costs = unrolled
+    a100 = costs.kinds[1].options[0][0]
+    work, core = a100.work_bytes, a100.recompute_bytes["selective"]
+    assert work["full"] == work["none"] < work["selective"] <= work["none"] + core
 
 
 def test_a_scanned_stack_costs_what_the_unrolled_one_does(unrolled, scanned) -> None:

@@ -50,6 +50,26 @@ def test_an_optimizer_update_runs_per_piece() -> None:
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
 
 
+def test_a_value_broadcast_over_the_stacked_axis_is_made_per_piece() -> None:
+    # A zero instantiated at the stacked leaf's shape (autodiff's, the step's) meeting the
+    # pieces is made again at each piece's shape, its scalar computed while tracing: no
+    # equation of the rewritten update makes or reads a value of all the rows, which would
+    # draw every stage's piece to the one stage holding it.
+    def norm(g):
+        return jnp.sqrt(jnp.sum(jnp.square(g) + jnp.square(jnp.zeros((4, 3, 2)))))
+
+    g = jnp.arange(24.0).reshape(4, 3, 2) / 10
+    runs = ((0, 2), (2, 4))
+    rewritten = split_rows(jax.make_jaxpr(norm)(g), [runs], [None])
+    shapes = [v.aval.shape for e in rewritten.jaxpr.eqns for v in (*e.invars, *e.outvars)
+              if hasattr(v, "aval")]
+    assert (4, 3, 2) not in shapes
+    assert not [e for e in rewritten.jaxpr.eqns if e.primitive.name == "square"
+                and not e.outvars[0].aval.shape]  # 0.0 squared while tracing
+    (out,) = jcore.jaxpr_as_fun(rewritten)(g[:2], g[2:])
+    np.testing.assert_allclose(np.asarray(out), np.asarray(norm(g)), rtol=1e-6)
+
+
 @pytest.fixture(scope="module")
 def scanned():
     config = models.load_model_config("gpt-tiny-scan", overrides={"n_layers": 4})

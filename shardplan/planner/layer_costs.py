@@ -330,6 +330,8 @@ class _Readback:
 
         state = _state_bytes(graph, local, self.layers)
         resident = _state_bytes(graph, local, self.layers, gradients=0)
+        for i, nbytes in _borrowed_bytes(graph, local, self.layers).items():
+            state[i] += nbytes
         # What XLA keeps from the forward into the backward pass under each policy (full:
         # the layer's input only), per sample: weight casts and other batch-independent
         # values are not activations.
@@ -338,6 +340,8 @@ class _Readback:
         # again (full: all the forward would keep; selective: the attention core) and its
         # own transient buffers.
         work = backward_work_bytes(graph, local, facts=self.activation_facts)
+        work_core = backward_work_bytes(graph, local, facts=self.activation_facts,
+                                        recomputed=True)
         out: dict[int, LayerOption] = {}
         for i in self.layers:
             out[i] = LayerOption(
@@ -350,7 +354,8 @@ class _Readback:
                 update_s=phase[(i, "update")],
                 recompute_bytes={p: (saved[i]["none"] - saved[i][p]) / batch
                                  for p in REMATS},
-                work_bytes=work.get(i, 0) / batch,
+                work_bytes={"none": work.get(i, 0) / batch, "full": work.get(i, 0) / batch,
+                            "selective": work_core.get(i, 0) / batch},
                 resident_bytes=resident.get(i, 0.0))
         return out
 
@@ -418,6 +423,30 @@ def _state_bytes(graph: OpGraph, local, layers: Collection[int] | None = None,
         nbytes = local(p.tensor) * (1 + gradients if p.role == "parameter" else 1)
         for index in owners[path]:
             out[index] += nbytes / len(owners[path])
+    return out
+
+
+def _borrowed_bytes(graph: OpGraph, local, layers: Collection[int]) -> dict[int, float]:
+    """Per layer (of ``layers``), bytes one device holds during a step of the parameters its
+    forward reads that other layers own (a tied embedding read by the output head): the
+    parameter's copy on the layer's stage, the sums of its gradient term over the
+    microbatches and one microbatch's fresh term (``partition``: each stage accumulates its
+    own term, they meet once per step). Not held between steps. Counted whatever stage the
+    owner runs on: where a stage holds the owner too (a replica of one stage), the
+    prediction is that much over."""
+    owners: dict[str, set[int]] = defaultdict(set)
+    for layer in graph.layers:
+        for owned in layer.params:
+            owners[owned].add(layer.index)
+    wanted = set(layers)
+    out: dict[int, float] = defaultdict(float)
+    for p in graph.parameters:
+        if p.role != "parameter" or p.path not in owners:
+            continue
+        readers = {i for r in p.readers if graph.ops[r].phase == "forward"
+                   for i in graph.ops[r].layers}
+        for i in (readers & wanted) - owners[p.path]:
+            out[i] += 3.0 * local(p.tensor)
     return out
 
 

@@ -12,7 +12,10 @@ the pieces:
 * the update part is rewritten by :func:`split_rows`: an elementwise equation (the optimizer's
   moments, the parameter step) runs once per piece, a reduction over the stacked axis (a global
   gradient norm's sum of squares) sums the pieces' partial results, and anything else reads
-  the pieces joined (correct, only not sliced).
+  the pieces joined (correct, only not sliced). A value broadcast along the stacked axis (a
+  zero gradient instantiated at the leaf's shape) is broadcast again at each piece's shape
+  where it meets pieces, so that it is made on the piece's stage instead of whole on one
+  stage and sliced there (which would draw the other stages' pieces to it).
 
 Between steps, :func:`assembled` shows the pieces as one ``jax.Array`` over the devices of
 their stages (the leaf's sharding gains a leading ``rows`` mesh axis: each device holds its
@@ -87,14 +90,69 @@ class _Rows:
     runs: Runs
 
 
+@dataclass(frozen=True)
+class _Broadcast:
+    """``broadcast_in_dim(value, shape, dims)`` not made yet (tracing :func:`split_rows`): a
+    value whose stacked axis 0 is a broadcast one (not in ``dims``)."""
+
+    value: Any
+    shape: tuple[int, ...]
+    dims: tuple[int, ...]
+
+    def made(self, rows: int | None = None) -> Any:
+        shape = self.shape if rows is None else (rows, *self.shape[1:])
+        return jax.lax.broadcast_in_dim(self.value, shape, self.dims)
+
+
 def _join(x: Any) -> Any:
+    if isinstance(x, _Broadcast):
+        return x.made()
     if not isinstance(x, _Rows):
         return x
     return x.parts[0] if len(x.parts) == 1 else jax.lax.concatenate(list(x.parts), 0)
 
 
 def _cut(x: Any, runs: Runs) -> _Rows:
+    if isinstance(x, _Broadcast):
+        return _Rows(tuple(x.made(b - a) for a, b in runs), runs)
     return _Rows(tuple(jax.lax.slice_in_dim(x, a, b, axis=0) for a, b in runs), runs)
+
+
+def _broadcast(eqn: Any, values: list[Any]) -> _Broadcast | None:
+    """``eqn`` kept as a :class:`_Broadcast` where it is one (a ``broadcast_in_dim`` adding
+    the leading axis) or is elementwise over such values of one shape and dimensions, and
+    scalars (then it applies to the values before their broadcast, which computes the same
+    numbers)."""
+    name = eqn.primitive.name
+    if name == "broadcast_in_dim" and len(values) == 1 and not isinstance(values[0], _Rows):
+        dims = tuple(eqn.params["broadcast_dimensions"])
+        shape = tuple(eqn.params["shape"])
+        if len(shape) > 1 and shape[0] > 1 and 0 not in dims:
+            return _Broadcast(_join(values[0]), shape, dims)
+        return None
+    lazy = [x for x in values if isinstance(x, _Broadcast)]
+    if (name not in _ELEMENTWISE or not lazy or eqn.primitive.multiple_results
+            or any(isinstance(x, _Rows) for x in values)):
+        return None
+    first = lazy[0]
+    if not all(x.shape == first.shape and x.dims == first.dims
+               and np.shape(x.value) == np.shape(first.value) for x in lazy):
+        return None
+    if not all(isinstance(x, _Broadcast) or np.ndim(x) == 0 for x in values):
+        return None
+    scalars = [x.value if isinstance(x, _Broadcast) else x for x in values]
+    if _constant(scalars) and all(np.ndim(x) == 0 for x in scalars):
+        with jax.ensure_compile_time_eval():
+            (out,) = bind(eqn, scalars)
+    else:
+        (out,) = bind(eqn, scalars)
+    return _Broadcast(out, first.shape, first.dims)
+
+
+def _constant(values: Sequence[Any]) -> bool:
+    """Whether ``values`` are known while tracing (literals, constants, what was computed
+    from them alone)."""
+    return not any(isinstance(x, jax.core.Tracer | _Rows | _Broadcast) for x in values)
 
 
 def bind(eqn: Any, values: Sequence[Any], params: Mapping[str, Any] | None = None) -> list[Any]:
@@ -111,9 +169,12 @@ def bind(eqn: Any, values: Sequence[Any], params: Mapping[str, Any] | None = Non
 def _apply(eqn: Any, values: list[Any]) -> list[Any]:
     """One equation over values some of which are pieces."""
     name = eqn.primitive.name
+    lazy = _broadcast(eqn, values)
+    if lazy is not None:
+        return [lazy]
     split = [x for x in values if isinstance(x, _Rows)]
     if not split:
-        return bind(eqn, values)
+        return bind(eqn, [_join(x) for x in values])
     runs = split[0].runs
     rows = sum(b - a for a, b in runs)
     if name in _CALLS and isinstance(eqn.params.get(_CALLS[name]), jcore.ClosedJaxpr):
@@ -123,9 +184,10 @@ def _apply(eqn: Any, values: list[Any]) -> list[Any]:
     if name in _ELEMENTWISE and alike:
         shape = eqn.outvars[0].aval.shape
         if shape and shape[0] == rows and all(
-                isinstance(x, _Rows) or np.ndim(x) == 0 or tuple(np.shape(x)) == shape
-                for x in values):
-            values = [x if isinstance(x, _Rows) or np.ndim(x) == 0 else _cut(x, runs)
+                isinstance(x, _Rows | _Broadcast) or np.ndim(x) == 0
+                or tuple(np.shape(x)) == shape for x in values):
+            values = [x if isinstance(x, _Rows) or (not isinstance(x, _Broadcast)
+                                                     and np.ndim(x) == 0) else _cut(x, runs)
                       for x in values]
             parts = [bind(eqn, [x.parts[k] if isinstance(x, _Rows) else x for x in values])
                      for k in range(len(runs))]
@@ -150,7 +212,15 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[An
         return v.val if isinstance(v, jcore.Literal) else env[v]
 
     for eqn in jaxpr.eqns:
-        env.update(zip(eqn.outvars, _apply(eqn, [read(v) for v in eqn.invars]), strict=True))
+        values = [read(v) for v in eqn.invars]
+        if (not eqn.effects and all(v.aval.shape == () for v in eqn.outvars)
+                and _constant(values)):
+            # A scalar of constants alone is computed here, a constant of every program (and
+            # not a value on one stage that the others' equations would wait for).
+            with jax.ensure_compile_time_eval():
+                env.update(zip(eqn.outvars, bind(eqn, values), strict=True))
+            continue
+        env.update(zip(eqn.outvars, _apply(eqn, values), strict=True))
     return [read(v) for v in jaxpr.outvars]
 
 
@@ -178,7 +248,7 @@ def split_rows(closed: jcore.ClosedJaxpr, in_runs: Sequence[Runs | None],
                 out.append(_join(x))
             else:
                 if not (isinstance(x, _Rows) and x.runs == runs):
-                    x = _cut(_join(x), runs)
+                    x = _cut(x if isinstance(x, _Broadcast) else _join(x), runs)
                 out += x.parts
         return out
 

@@ -173,7 +173,7 @@ class _Types:
                 t += o.recompute_s[r][0] + o.recompute_s[r][1] * mb
                 row.append((t, o.state_bytes, o.activation_bytes[r], o.update_s,
                             kind.gradient_bytes / d, o.recompute_bytes.get(r, 0.0),
-                            o.work_bytes))
+                            o.work_bytes.get(r, 0.0)))
             self.per_layer.append(row)
 
     def hop(self, g: int, d: int, cls: tuple, last: int) -> float:

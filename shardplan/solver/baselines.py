@@ -193,7 +193,7 @@ class _Tables:
                 for s, x in zip(sums, values, strict=True):
                     s.append(s[-1] + x)
                 missing.append(missing[-1] + (o is None))
-                work.append(o.work_bytes if o is not None else 0.0)
+                work.append(o.work_bytes.get(remat, 0.0) if o is not None else 0.0)
             fixed, per_sample, state, activation, update, recompute = (tuple(s) for s in sums)
             self._cache[key] = _Prefix(fixed, per_sample, state, activation, update,
                                        tuple(missing), recompute, tuple(work))

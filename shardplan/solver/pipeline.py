@@ -189,14 +189,16 @@ class LayerOption:
         device.
       state_bytes: per device, the parameters, their optimizer state, and two gradient
         copies: the sums over the microbatches and one microbatch's fresh gradients before
-        they are added.
+        they are added; and for parameters the layer reads but another owns (a tied
+        embedding read by the head), their copy and two copies of the layer's gradient term.
       update_s: the optimizer update per step.
       recompute_bytes: per remat policy, the forward buffers the backward pass computes again
         per sample, per device (``none``: 0; ``full``: all it would otherwise save); a
         stage's backward program holds its layers' together.
-      work_bytes: the buffers the backward pass makes and frees while it runs this layer, at
-        their peak, per sample, per device; a stage's backward program holds the largest of
-        its layers'.
+      work_bytes: per remat policy, the buffers the backward pass makes and frees while it
+        runs this layer, at their peak, per sample, per device (``selective``: with the
+        attention core computed again beside them); a stage's backward program holds the
+        largest of its layers'.
       resident_bytes: per device, what stays between steps: the parameters and their
         optimizer state (``state_bytes`` less the two gradient copies). Reported, not
         planned on.
@@ -210,7 +212,7 @@ class LayerOption:
     state_bytes: float
     update_s: float
     recompute_bytes: Mapping[str, float] = field(default_factory=dict)
-    work_bytes: float = 0.0
+    work_bytes: Mapping[str, float] = field(default_factory=dict)
     resident_bytes: float = 0.0
 
 
@@ -587,7 +589,8 @@ def _stage_sums(problem: PipelineProblem, stage: StagePlacement, mb: int) -> _St
     state = sum(o.state_bytes for o in opts if o)
     activation = sum(o.activation_bytes[stage.remat] for o in opts if o)
     work = stage_work(sum(o.recompute_bytes.get(stage.remat, 0.0) for o in opts if o),
-                      max((o.work_bytes for o in opts if o), default=0.0))
+                      max((o.work_bytes.get(stage.remat, 0.0) for o in opts if o),
+                          default=0.0))
     return seconds, state, activation, sum(o.update_s for o in opts if o), work
 
 

@@ -279,7 +279,8 @@ def _state_and_work(problem: PipelineProblem, stage: StagePlacement, mb: int) ->
     """A stage's state bytes plus ``mb`` samples of its backward's working bytes."""
     opts = _options(problem, stage)
     work = stage_work(sum(o.recompute_bytes.get(stage.remat, 0.0) for o in opts),
-                      max((o.work_bytes for o in opts), default=0.0))
+                      max((o.work_bytes.get(stage.remat, 0.0) for o in opts),
+                          default=0.0))
     return sum(o.state_bytes for o in opts) + mb * work
 
 
