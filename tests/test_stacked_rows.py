@@ -112,6 +112,13 @@ def test_each_stage_holds_only_its_rows(scanned, cut: int) -> None:
     for prog in (*run._ready.tasks[0], *run._ready.update):
         assert not any(tuple(v.aval.shape) in whole for v in prog.outputs
                        if v.aval.shape and v.aval.shape[0] == 4), prog.key
+    # Between stages only the residual stream (and its gradient) and scalars pass: the
+    # constants autodiff hoists out of the loop (the causal mask) are computed again by each
+    # task that reads them instead of being sent and kept for the backward.
+    made = {v: t.stage for t in run._ready.tasks[0] for v in t.outputs}
+    crossing = {tuple(v.aval.shape) for t in run._ready.tasks[0] for kind, v in t.inputs
+                if kind == "value" and made[v] != t.stage}
+    assert crossing <= {(4, config.max_seq_len, config.d_model), ()}, crossing
 
 
 def test_a_checkpoint_of_the_rows_restores_onto_a_one_stage_plan(scanned, tmp_path) -> None:

@@ -11,7 +11,10 @@ stack) or ``B_s`` (backward); tasks are ordered ``F_0 < ... < F_{K-1} < B_{K-1} 
 An equation of no single layer (the ``shared`` layer: loss scaling, constants) joins the latest
 task among its producers, or, when it reads only the state and the batch, the earliest task that
 reads it. A task is a sub-jaxpr: its inputs are the state and batch leaves it reads and the
-values earlier tasks produce; its outputs are what later tasks or the update read.
+values earlier tasks produce; its outputs are what later tasks or the update read. A constant
+(a value of literals and constants alone: a causal mask, the loop-invariant values autodiff
+hoists out of a scanned stack's loop) is computed again by every task that reads it, never
+handed on (:func:`_constants_read`).
 
 A ``scan`` over a scanned block stack (``nnx.scan``: one loop over stacked parameters) whose
 rows lie on several virtual stages is cut into one *segment* per run of rows: the segment scans
@@ -534,6 +537,9 @@ def gradient_programs(split: StepSplit, labels: Mapping[tuple[int, ...], frozens
     again = _recomputed(eqns, group_of, producer, big_k, [
         (remat or {}).get(virtual.stages[virtual.position[s]], "none") for s in range(big_k)],
         ids)
+    for g, constants in _constants_read(eqns, group_of, producer, jaxpr.constvars,
+                                        again).items():
+        again[g] = sorted(set(again.get(g, ())) | constants)
     # Per equation, the tasks that run it: its own, and those running it again.
     runs_of: dict[int, set[int]] = {i: {g} for i, g in enumerate(group_of)}
     for g, extra in again.items():
@@ -616,6 +622,41 @@ def _cross_stage_terms(eqns: Sequence[_Item], group_of: Sequence[int],
         if parts is not None and len(parts) > 1 and v not in parts:
             found[v] = parts
     return found
+
+
+def _constants_read(eqns: Sequence[_Item], group_of: Sequence[int],
+                    producer: Mapping[Any, int], constvars: Sequence[Any],
+                    again: Mapping[int, Sequence[int]]) -> dict[int, set[int]]:
+    """Per task, the equations of other tasks that compute constants it reads (values of
+    literals and constants alone: a causal mask, the loop-invariant values autodiff hoists
+    out of a scanned stack's loop), which it computes again: a constant is never handed
+    from stage to stage, nor kept from a forward task for its backward."""
+    known = set(constvars)
+    constant: set[int] = set()
+    for i, e in enumerate(eqns):
+        if e.kind == "eqn" and not e.eqn.effects and all(
+                not _is_var(v) or v in known for v in e.invars):
+            constant.add(i)
+            known.update(e.outvars)
+    out: dict[int, set[int]] = {}
+    runs: dict[int, set[int]] = {}
+    for i, g in enumerate(group_of):
+        runs.setdefault(g, set()).add(i)
+    for g, extra in again.items():
+        runs.setdefault(g, set()).update(extra)
+    for g, mine in runs.items():
+        todo = [producer[v] for i in mine for v in eqns[i].invars
+                if _is_var(v) and producer.get(v) in constant]
+        need: set[int] = set()
+        while todo:
+            i = todo.pop()
+            if i not in need and group_of[i] != g:
+                need.add(i)
+                todo.extend(producer[v] for v in eqns[i].invars
+                            if _is_var(v) and producer.get(v) in constant)
+        if need:
+            out[g] = need
+    return out
 
 
 def _recomputed(eqns: Sequence[_Item], group_of: Sequence[int], producer: Mapping[Any, int],
