@@ -151,9 +151,9 @@ def test_a_planned_scanned_pipeline_holds_what_it_was_planned_for(name: str,
     # three steps each device holds its stage's parameters and optimizer state as predicted,
     # within 10 % (measured: 1.00-1.01; CPU live bytes are jax.live_arrays, so device 0, the
     # default device, where earlier tests' arrays live in the same process, is not checked;
-    # alone this test measures it at 1.01). (What a device held while a program ran, the program plus the arrays the
-    # driver kept beside it, is printed: on the first stage it is up to 1.23x the prediction,
-    # an open gap of the memory model, docs/architecture.md.)
+    # alone this test measures it at 1.01). What a device held while a program ran, the
+    # program plus the arrays the driver kept beside it, is within 10 % of the prediction and
+    # inside the budget too (measured: 0.86-1.03).
     config, state, step, plan, budget = _budget_planned(name, 16, 0.4, **overrides)
     assert len(plan.stages) == 4
     run = sp.apply_plan(step, plan, measure_steps=2)  # the third step records live bytes
@@ -167,7 +167,7 @@ def test_a_planned_scanned_pipeline_holds_what_it_was_planned_for(name: str,
         compiled = max(p["memory_bytes"] for p in programs)
         held = max(p["memory_bytes"] + p["beside_bytes"] for p in programs)
         assert compiled <= min(1.1 * predicted, budget), (st.index, compiled, predicted)
-        print(st.index, st.remat, "held/predicted", round(held / predicted, 3))
+        assert held <= min(1.1 * predicted, budget), (st.index, held, predicted)
         resident = run.plan.solver["resident_bytes"][str(st.index)]
         live = max(measured[str(d)] for d in st.mesh.device_ids)
         if 0 not in st.mesh.device_ids:  # (device 0 also holds other tests' arrays)
