@@ -21,7 +21,9 @@ and the ratios to the prediction and to the budget, and whether the stage's stac
 (a scanned stack's) are held as its own rows. Writes
 ``benchmarks/results/pipeline_memory.json``.
 
-Usage: ``python benchmarks/pipeline_memory.py [--fractions 0.6 0.4 0.3]``
+Usage: ``python benchmarks/pipeline_memory.py [--fractions 0.6 0.4 0.3] [--max-stages 3]``
+(``--max-stages``: plans of at most that many stages per replica, so that a budget can force
+three; the results then go to ``pipeline_memory_max<N>.json``).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ CASES = {"gpt loop": ("gpt-tiny", {}), "gpt scan": ("gpt-tiny-scan", {}),
 BATCH = 16
 
 
-def run_case(name: str, fraction: float) -> dict:
+def run_case(name: str, fraction: float, max_stages: int | None = None) -> dict:
     preset, overrides = CASES[name]
     config = models.load_model_config(preset, overrides={"n_layers": 4, **overrides})
     graphdef, state = models.init_train_state(config, seed=0)
@@ -63,7 +65,8 @@ def run_case(name: str, fraction: float) -> dict:
         one = sp.make_plan(step, *shapes, cluster=cluster, config=sp.PlanConfig(max_stages=1))
         budget = fraction * max(one.predicted.memory_bytes.values())
         plan = sp.make_plan(step, *shapes, cluster=cluster,
-                            config=sp.PlanConfig(memory_budget_bytes=budget, pipeline=True))
+                            config=sp.PlanConfig(memory_budget_bytes=budget, pipeline=True,
+                                                 max_stages=max_stages))
     run = sp.apply_plan(step, plan, measure_steps=2)  # the third step records live bytes
     for i in range(3):
         state, _ = run(state, models.example_batch(config, BATCH, seed=i))
@@ -86,7 +89,7 @@ def run_case(name: str, fraction: float) -> dict:
             "compiled_program": largest["name"], "held_bytes": held,
             "resident_bytes": plan.solver["resident_bytes"][str(st.index)],
             "live_bytes": max(live.get(d, 0) for d in st.mesh.device_ids)})
-    return {"case": name, "fraction": fraction, "budget_bytes": budget,
+    return {"case": name, "fraction": fraction, "max_stages": max_stages, "budget_bytes": budget,
             "stacked_rows_split": bool(split),
             "replicas": [len(r.stages) for r in plan.replicas], "schedule": plan.schedule,
             "microbatch_size": plan.microbatch_size, "stages": stages}
@@ -96,14 +99,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.6, 0.4, 0.3])
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--max-stages", type=int, default=None)
     args = parser.parse_args()
+    results = (RESULTS if args.max_stages is None else
+               RESULTS.with_name(f"pipeline_memory_max{args.max_stages}.json"))
     rows = []
     print(f"{'case':<11}{'budget':>6}{'stage':>6} {'remat':<10}{'predicted':>10}{'compiled':>10}"
           f"{'held':>10}{'comp/pred':>10}{'held/pred':>10}{'held/budget':>12}"
           f"{'resident':>10}{'live':>10}{'live/res':>9}")
     for case in args.cases:
         for fraction in args.fractions:
-            row = run_case(case, fraction)
+            try:
+                row = run_case(case, fraction, args.max_stages)
+            except sp.ShardplanError as err:  # refused before the first step: recorded
+                first = str(err).splitlines()[0]
+                rows.append({"case": case, "fraction": fraction, "max_stages": args.max_stages,
+                             "refused": str(err)})
+                print(f"{case:<11}{fraction:>6.2f}  refused: {first}", flush=True)
+                continue
             rows.append(row)
             for s in row["stages"]:
                 p = s["predicted_bytes"]
@@ -116,12 +129,12 @@ def main() -> None:
             if case.endswith("scan"):
                 print(f"{'':<11}(stacked leaves per stage: "
                       f"{'yes' if row['stacked_rows_split'] else 'no'})")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps({
         "benchmark": "pipeline_memory", "jax": jax.__version__, "batch": BATCH, "rows": rows,
         "machine": {"cores": os.cpu_count(), "python": platform.python_version()},
     }, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    print(f"wrote {results}")
 
 
 if __name__ == "__main__":
