@@ -107,22 +107,24 @@ def saved_activation_bytes_by_layer(graph: OpGraph, local_bytes: Callable[[int],
 
 
 def backward_work_bytes(graph: OpGraph, local_bytes: Callable[[int], int], *,
-                        facts: ActivationFacts | None = None,
-                        recomputed: bool = False) -> dict[int, int]:
-    """Per layer index, the backward pass's working bytes on one device: the most, over the
-    layer's backward ops, of the live buffers that backward ops write and backward ops last
-    read (:mod:`shardplan.cost.buffers`; the traced batch). Not the saved activations (forward
-    buffers) and not the gradients the update reads: what a pipeline stage's backward program
-    allocates beside its arguments and results while it runs the layer. A scanned stack's
-    layers share the body's buffers (one iteration's).
+                        facts: ActivationFacts | None = None
+                        ) -> dict[int, dict[RematPolicy, int]]:
+    """Per layer index and remat policy, the backward pass's working bytes on one device: the
+    most, over the layer's backward ops, of the live buffers that backward ops write and
+    backward ops last read (:mod:`shardplan.cost.buffers`; the traced batch). Not the saved
+    activations (forward buffers) and not the gradients the update reads: what a pipeline
+    stage's backward program allocates beside its arguments and results while it runs the
+    layer. A scanned stack's layers share the body's buffers (one iteration's).
+
+    Under ``selective`` the attention core's values are computed again when the layer's
+    backward starts and live until their last backward reader, beside the backward's own
+    buffers, so they are counted here (the demo's last stage, a block and the head at
+    microbatch 1: 1,348 KiB predicted with them, 832 KiB without, 1,476 KiB compiled). Under
+    ``full`` the recomputed forward is the stage's, counted against these bytes by the stage
+    planner (``solver.pipeline.stage_work``); ``full`` and ``none`` are the same here.
 
     Measured against the backward programs of tiny GPT pipeline stages on XLA:CPU (one block,
     no remat, microbatch 2): 106,496 bytes per sample predicted, 107,648 compiled.
-
-    ``recomputed``: under selective remat, the attention core's values are computed again
-    when the layer's backward starts and live until their last backward reader, beside the
-    backward's own buffers (so counted here: on the demo's last stage, a block and the head
-    at microbatch 1, 1,348 KiB predicted with them, 832 KiB without, 1,476 KiB compiled).
 
     Example:
         >>> import models, shardplan as sp
@@ -130,7 +132,7 @@ def backward_work_bytes(graph: OpGraph, local_bytes: Callable[[int], int], *,
         >>> graphdef, state = models.abstract_train_state(config)
         >>> graph = sp.trace(models.make_train_step(graphdef), state,
         ...                  models.example_batch(config, 2, abstract=True))
-        >>> backward_work_bytes(graph, lambda t: graph.tensors[t].nbytes)[1]
+        >>> backward_work_bytes(graph, lambda t: graph.tensors[t].nbytes)[1]["none"]
         212992
     """
     facts = facts or activation_facts(graph)
@@ -146,25 +148,28 @@ def backward_work_bytes(graph: OpGraph, local_bytes: Callable[[int], int], *,
         if backward[start] and backward[end]:
             delta[start] += size
             delta[end + 1] -= size
-    if recomputed:
-        first: dict[tuple[int, ...], int] = {}  # per layers, their first backward op
-        for op in graph.ops:
-            if backward[op.id] and op.layers:
-                first.setdefault(op.layers, op.id)
-        for root, (_, end, size) in buffers.spans.items():
-            producer = graph.ops[graph.tensors[root].producer or 0]
-            if (producer.phase == "forward" and backward[end] and facts.varies[root]
-                    and facts.core[root] and producer.layers in first):
-                start = min(first[producer.layers], end)
-                delta[start] += size
-                delta[end + 1] -= size
-    out = {layer.index: 0 for layer in graph.layers}
-    live = 0
+    first: dict[tuple[int, ...], int] = {}  # per layers, their first backward op
+    for op in graph.ops:
+        if backward[op.id] and op.layers:
+            first.setdefault(op.layers, op.id)
+    core = [0] * (len(graph.ops) + 1)  # the recomputed attention core (selective)
+    for root, (_, end, size) in buffers.spans.items():
+        producer = graph.ops[graph.tensors[root].producer or 0]
+        if (producer.phase == "forward" and backward[end] and facts.varies[root]
+                and facts.core[root] and producer.layers in first):
+            core[min(first[producer.layers], end)] += size
+            core[end + 1] -= size
+    out: dict[int, dict[RematPolicy, int]] = {
+        layer.index: {"none": 0, "selective": 0, "full": 0} for layer in graph.layers}
+    live = live_core = 0
     for op in graph.ops:
         live += delta[op.id]
+        live_core += core[op.id]
         if backward[op.id]:
             for i in op.layers:
-                out[i] = max(out[i], live)
+                work = out[i]
+                work["none"] = work["full"] = max(work["none"], live)
+                work["selective"] = max(work["selective"], live + live_core)
     return out
 
 

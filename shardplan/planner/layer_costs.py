@@ -340,8 +340,6 @@ class _Readback:
         # again (full: all the forward would keep; selective: the attention core) and its
         # own transient buffers.
         work = backward_work_bytes(graph, local, facts=self.activation_facts)
-        work_core = backward_work_bytes(graph, local, facts=self.activation_facts,
-                                        recomputed=True)
         out: dict[int, LayerOption] = {}
         for i in self.layers:
             out[i] = LayerOption(
@@ -354,8 +352,7 @@ class _Readback:
                 update_s=phase[(i, "update")],
                 recompute_bytes={p: (saved[i]["none"] - saved[i][p]) / batch
                                  for p in REMATS},
-                work_bytes={"none": work.get(i, 0) / batch, "full": work.get(i, 0) / batch,
-                            "selective": work_core.get(i, 0) / batch},
+                work_bytes={p: work[i][p] / batch for p in REMATS},
                 resident_bytes=resident.get(i, 0.0))
         return out
 
@@ -409,10 +406,7 @@ def _state_bytes(graph: OpGraph, local, layers: Collection[int] | None = None,
     microbatch's fresh gradients before they are added; 0: what stays between steps) and
     their optimizer state; a stacked leaf (a scanned stack's) is split evenly over the layers
     that own it."""
-    owners: dict[str, list[int]] = defaultdict(list)
-    for layer in graph.layers:
-        for owned in layer.params:
-            owners[owned].append(layer.index)
+    owners = _owners(graph)
     if layers is not None:
         owners = {path: held for path, held in owners.items() if set(held) & set(layers)}
     out: dict[int, float] = defaultdict(float)
@@ -426,6 +420,15 @@ def _state_bytes(graph: OpGraph, local, layers: Collection[int] | None = None,
     return out
 
 
+def _owners(graph: OpGraph) -> dict[str, list[int]]:
+    """Per parameter path, the layers that own it (a scanned stack's leaf: all its layers)."""
+    owners: dict[str, list[int]] = defaultdict(list)
+    for layer in graph.layers:
+        for owned in layer.params:
+            owners[owned].append(layer.index)
+    return owners
+
+
 def _borrowed_bytes(graph: OpGraph, local, layers: Collection[int]) -> dict[int, float]:
     """Per layer (of ``layers``), bytes one device holds during a step of the parameters its
     forward reads that other layers own (a tied embedding read by the output head): the
@@ -434,10 +437,7 @@ def _borrowed_bytes(graph: OpGraph, local, layers: Collection[int]) -> dict[int,
     own term, they meet once per step). Not held between steps. Counted whatever stage the
     owner runs on: where a stage holds the owner too (a replica of one stage), the
     prediction is that much over."""
-    owners: dict[str, set[int]] = defaultdict(set)
-    for layer in graph.layers:
-        for owned in layer.params:
-            owners[owned].add(layer.index)
+    owners = _owners(graph)
     wanted = set(layers)
     out: dict[int, float] = defaultdict(float)
     for p in graph.parameters:
@@ -445,7 +445,7 @@ def _borrowed_bytes(graph: OpGraph, local, layers: Collection[int]) -> dict[int,
             continue
         readers = {i for r in p.readers if graph.ops[r].phase == "forward"
                    for i in graph.ops[r].layers}
-        for i in (readers & wanted) - owners[p.path]:
+        for i in (readers & wanted).difference(owners[p.path]):
             out[i] += 3.0 * local(p.tensor)
     return out
 

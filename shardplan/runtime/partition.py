@@ -42,12 +42,16 @@ where it crosses stages (the partial sums of a global gradient norm meeting, the
 going back) the equations after the crossing form the next *level*. Programs are per (level,
 stage), run level by level; values crossing stages are sent by the runtime. The update thus runs
 where the parameters live and only small values (norms, scales, counters) move.
+
+This module is over 600 lines: the gradient part's cut (tasks, scan segments, recomputation,
+cross-stage terms) and the update part's cut share the program builder and item types, and
+issue 25's layering step splits the runtime's pipeline modules together.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -645,15 +649,7 @@ def _constants_read(eqns: Sequence[_Item], group_of: Sequence[int],
     for g, extra in again.items():
         runs.setdefault(g, set()).update(extra)
     for g, mine in runs.items():
-        todo = [producer[v] for i in mine for v in eqns[i].invars
-                if _is_var(v) and producer.get(v) in constant]
-        need: set[int] = set()
-        while todo:
-            i = todo.pop()
-            if i not in need and group_of[i] != g:
-                need.add(i)
-                todo.extend(producer[v] for v in eqns[i].invars
-                            if _is_var(v) and producer.get(v) in constant)
+        need = {i for i in _producers_in(eqns, producer, mine, constant) if group_of[i] != g}
         if need:
             out[g] = need
     return out
@@ -674,19 +670,28 @@ def _recomputed(eqns: Sequence[_Item], group_of: Sequence[int], producer: Mappin
         b = 2 * big_k - 1 - s
         allowed = {i for i, g in enumerate(group_of) if g == s and (
             policy == "full" or (eqns[i].kind == "eqn" and id(eqns[i].eqn) in chosen))}
-        todo = [producer[v] for i, g in enumerate(group_of) if g == b
-                for v in eqns[i].invars if _is_var(v) and producer.get(v) in allowed]
-        need: set[int] = set()
-        while todo:
-            i = todo.pop()
-            if i in need:
-                continue
-            need.add(i)
-            todo.extend(producer[v] for v in eqns[i].invars
-                        if _is_var(v) and producer.get(v) in allowed)
+        need = _producers_in(eqns, producer, [i for i, g in enumerate(group_of) if g == b],
+                             allowed)
         if need:
             out[b] = sorted(need)
     return out
+
+
+def _producers_in(eqns: Sequence[_Item], producer: Mapping[Any, int], readers: Iterable[int],
+                  allowed: Collection[int]) -> set[int]:
+    """The equations of ``allowed`` whose results ``readers`` read, directly or through
+    other equations of ``allowed``."""
+    todo = [producer[v] for i in readers for v in eqns[i].invars
+            if _is_var(v) and producer.get(v) in allowed]
+    need: set[int] = set()
+    while todo:
+        i = todo.pop()
+        if i in need:
+            continue
+        need.add(i)
+        todo.extend(producer[v] for v in eqns[i].invars
+                    if _is_var(v) and producer.get(v) in allowed)
+    return need
 
 
 def update_programs(split: StepSplit, read_at: Mapping[int, int], cut_at: Sequence[int],

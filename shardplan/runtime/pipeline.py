@@ -48,6 +48,10 @@ per-stage pieces (:mod:`shardplan.runtime.rows`): the driver works on the *inter
 the stages' devices. Where no ``NamedSharding`` describes the pieces (uneven runs, interleaved
 stages, unlike sub-meshes) the leaf lives whole on one stage, each stage reading its rows from
 a full copy.
+
+This module is over 600 lines: the driver (placing, running and timing the tasks, moving
+values between stages and processes, the stacked leaves' conversions) stays in one piece
+until issue 25's layering step splits the runtime's pipeline modules together.
 """
 
 from __future__ import annotations

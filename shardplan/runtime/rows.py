@@ -140,19 +140,24 @@ def _broadcast(eqn: Any, values: list[Any]) -> _Broadcast | None:
         return None
     if not all(isinstance(x, _Broadcast) or np.ndim(x) == 0 for x in values):
         return None
-    scalars = [x.value if isinstance(x, _Broadcast) else x for x in values]
-    if _constant(scalars) and all(np.ndim(x) == 0 for x in scalars):
-        with jax.ensure_compile_time_eval():
-            (out,) = bind(eqn, scalars)
-    else:
-        (out,) = bind(eqn, scalars)
+    inner = [x.value if isinstance(x, _Broadcast) else x for x in values]
+    foldable = all(np.ndim(x) == 0 for x in inner) and _known(eqn, inner)
+    (out,) = _folded(eqn, inner) if foldable else bind(eqn, inner)
     return _Broadcast(out, first.shape, first.dims)
 
 
-def _constant(values: Sequence[Any]) -> bool:
-    """Whether ``values`` are known while tracing (literals, constants, what was computed
-    from them alone)."""
-    return not any(isinstance(x, jax.core.Tracer | _Rows | _Broadcast) for x in values)
+def _known(eqn: Any, values: Sequence[Any]) -> bool:
+    """Whether ``eqn`` over ``values`` can be computed while tracing: no effects, and every
+    value known (literals, constants, what was computed from them alone)."""
+    return not eqn.effects and not any(isinstance(x, jax.core.Tracer | _Rows | _Broadcast)
+                                       for x in values)
+
+
+def _folded(eqn: Any, values: Sequence[Any]) -> list[Any]:
+    """``eqn`` computed while tracing (``_known``): its results are constants of every
+    program, not values of one stage that the others' equations would wait for."""
+    with jax.ensure_compile_time_eval():
+        return bind(eqn, values)
 
 
 def bind(eqn: Any, values: Sequence[Any], params: Mapping[str, Any] | None = None) -> list[Any]:
@@ -213,14 +218,9 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[An
 
     for eqn in jaxpr.eqns:
         values = [read(v) for v in eqn.invars]
-        if (not eqn.effects and all(v.aval.shape == () for v in eqn.outvars)
-                and _constant(values)):
-            # A scalar of constants alone is computed here, a constant of every program (and
-            # not a value on one stage that the others' equations would wait for).
-            with jax.ensure_compile_time_eval():
-                env.update(zip(eqn.outvars, bind(eqn, values), strict=True))
-            continue
-        env.update(zip(eqn.outvars, _apply(eqn, values), strict=True))
+        scalars = all(v.aval.shape == () for v in eqn.outvars)
+        outs = _folded(eqn, values) if scalars and _known(eqn, values) else _apply(eqn, values)
+        env.update(zip(eqn.outvars, outs, strict=True))
     return [read(v) for v in jaxpr.outvars]
 
 
