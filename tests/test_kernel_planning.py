@@ -121,12 +121,9 @@ def _same_three_steps(step, plan, state, batch, *, over: bool = False) -> None:
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-4)
 
 
-def test_the_plan_splits_the_kernel_only_on_batch_and_heads_and_runs_it_split(
-        monkeypatch) -> None:
-    params, batch = _params(), _batch()
-    plan = sp.make_plan(_step, params, batch, cluster=sp.Cluster.local(types={"cpu": 8}))
-    kernels = _kernels_split_legally(plan, sp.trace(_step, params, batch))
-    calls = []
+def _split_calls(monkeypatch) -> list[str]:
+    """The names of the kernel calls the runtime runs split from now on, in order."""
+    calls: list[str] = []
     real = constrain._split_kernel
 
     def counting(name, *args):
@@ -134,6 +131,15 @@ def test_the_plan_splits_the_kernel_only_on_batch_and_heads_and_runs_it_split(
         return real(name, *args)
 
     monkeypatch.setattr(constrain, "_split_kernel", counting)
+    return calls
+
+
+def test_the_plan_splits_the_kernel_only_on_batch_and_heads_and_runs_it_split(
+        monkeypatch) -> None:
+    params, batch = _params(), _batch()
+    plan = sp.make_plan(_step, params, batch, cluster=sp.Cluster.local(types={"cpu": 8}))
+    kernels = _kernels_split_legally(plan, sp.trace(_step, params, batch))
+    calls = _split_calls(monkeypatch)
     _same_three_steps(_step, plan, params, batch, over=True)
     assert sorted(set(calls)) == sorted(op.attrs["kernel"] for op in kernels)
 
@@ -178,3 +184,51 @@ class _Eqn:
 
     def __init__(self, arrays: list[jax.Array]) -> None:
         self.invars = [type("Var", (), {"aval": jax.typeof(a)})() for a in arrays]
+
+
+def test_a_kernel_inside_a_scanned_stack_runs_split_in_the_loop(monkeypatch) -> None:
+    # llama-tiny's blocks as one nnx.scan with Pallas attention: the kernel calls sit in the
+    # forward and backward scans' bodies. The plan pins them there (their paths extend the
+    # scan's), the runtime rebuilds each scan around its evaluated body and runs the calls in
+    # shard_map with the plan's specs: one manual computation per call in the lowered step.
+    import models
+
+    config = models.load_model_config("llama-tiny", overrides={"attention_impl": "pallas",
+                                                               "scan_layers": True})
+    graphdef, state = models.init_train_state(config, seed=0)
+    step = models.make_train_step(graphdef)
+    batch = models.example_batch(config, 16, seed=0)
+    plan = sp.make_plan(step, state, batch, cluster=sp.Cluster.local(types={"cpu": 8}))
+    kernels = _kernels_split_legally(plan, sp.trace(step, state, batch))
+    assert {op.attrs["kernel"] for op in kernels} == {
+        "shardplan_kernel__flash_attention_fwd", "shardplan_kernel__flash_attention_bwd"}
+    assert all(op.loop for op in kernels)  # every call is inside a loop body
+    calls = _split_calls(monkeypatch)
+    _same_three_steps(step, plan, state, batch, over=True)
+    assert sorted(calls) == sorted(op.attrs["kernel"] for op in kernels)
+    run = sp.apply_plan(step, plan, verify=False)
+    run._ensure(state, batch)
+    placed = [jax.device_put(x, s) for x, s in zip((state, batch), run._shardings, strict=True)]
+    lowered = run._jitted.lower(*placed).as_text()
+    # (Shardy's manual computation; the older partitioner marks one by a full-to-shard call.)
+    manual = max(lowered.count("sdy.manual_computation"), lowered.count("SPMDFullToShardShape"))
+    assert manual == len(kernels)
+
+
+def test_a_pipeline_plans_layouts_carry_their_kernel_calls_specs() -> None:
+    # The stage planner's layouts hold the specs of every kernel call (decoded from each
+    # layout's intra-op solution): the stages' programs run the calls under them.
+    from test_pipeline_runtime import _budget_planned
+
+    import models
+
+    config, state, step, plan, _ = _budget_planned("llama-tiny", 16, 0.6, attention_impl="pallas",
+                                                   scan_layers=True)
+    assert len(plan.stages) > 1 and plan.layouts
+    graph = sp.trace(step, jax.eval_shape(lambda: state),
+                     jax.eval_shape(lambda: models.example_batch(config, 16, seed=0)))
+    paths = {"/".join(map(str, op.path)) for op in graph.ops if op.primitive == PRIMITIVE}
+    assert len(paths) == 2
+    for layout in plan.layouts.values():
+        assert set(layout.kernel_specs) == paths
+

@@ -193,6 +193,18 @@ def test_replicas_and_layouts_are_checked() -> None:
         _plan(layouts=bad)
 
 
+def test_a_layout_carries_its_kernel_calls_specs() -> None:
+    kernels = {"23/35": (((("model",), ()),), ((("model",), ()), ((), ("model",))))}
+    plan = _plan(layouts={"a": Layout({"0/w": ((), ("model",))}, {"x": ((), ())}, kernels)})
+    again = sp.Plan.from_json(plan.to_json())
+    assert again == plan and dict(again.layouts["a"].kernel_specs) == kernels
+    with pytest.raises(PlanMismatchError, match=r"(?s)'data'.*kernel_specs\['23/35'\] "
+                                                r"operands\[1\]"):
+        _plan(layouts={"a": Layout({}, {}, {"23/35": ((), ((), ((), ("data",))))})})
+    with pytest.raises(sp.ConfigError, match="equation indices joined by '/'"):
+        Layout({}, {}, {"attention": ((), ())})
+
+
 def test_a_schema_2_file_reads_as_a_one_replica_plan() -> None:
     from shardplan.plan.plan import _example
 

@@ -14,6 +14,8 @@ import models
 import shardplan as sp
 from shardplan.errors import PipelineError
 from shardplan.plan.plan import Layout, MeshSpec, ReplicaSpec, Stage
+from shardplan.runtime import constrain
+from shardplan.runtime.pipeline import PipelinedStep
 
 RTOL = ATOL = 1e-4
 
@@ -82,10 +84,11 @@ def test_two_device_types_with_uneven_shares(gpt) -> None:
 
 
 def _pipeline(plan, groups, microbatch_size: int, counts, schedule: str = "1f1b",
-              param_spec=None):
+              param_spec=None, kernel_specs=None):
     """``plan`` rewritten as replicas of stages: ``groups`` per replica, a list of
     (device type, device ids, layer names) per stage; replicated layouts (or
-    ``param_spec(key, rank)``'s), the microbatch split over a stage's devices."""
+    ``param_spec(key, rank)``'s), the microbatch split over a stage's devices, and
+    ``kernel_specs`` (:attr:`Layout.kernel_specs`) in every layout."""
     first = plan.stages[0]
     specs = plan.layouts[first.layout] if first.layout else Layout(
         {k: spec for k, (_, spec) in plan.param_specs.items()}, plan.batch_specs)
@@ -98,7 +101,8 @@ def _pipeline(plan, groups, microbatch_size: int, counts, schedule: str = "1f1b"
             name = f"{device_type}:inner={len(ids)}"
             layouts[name] = Layout(replicated, {
                 k: (("inner",), *tuple(() for _ in v[1:])) if microbatch_size % len(ids) == 0
-                else tuple(() for _ in v) for k, v in specs.batch_specs.items()})
+                else tuple(() for _ in v) for k, v in specs.batch_specs.items()},
+                kernel_specs or {})
             indices.append(len(stages))
             stages.append(Stage(len(stages), device_type, MeshSpec(("inner",), (len(ids),),
                                                                     tuple(ids)),
@@ -369,3 +373,51 @@ def test_a_planned_pipeline_holds_what_its_stages_were_predicted_to(name: str) -
         held = max(p["memory_bytes"] + p["beside_bytes"] for p in programs)
         assert 0.9 * predicted <= held <= 1.1 * predicted, (st.index, st.remat, held, predicted)
         assert max(p["memory_bytes"] for p in programs) <= budget
+
+
+def test_a_kernel_inside_a_scanned_stack_runs_split_on_each_stage(monkeypatch) -> None:
+    # Pallas attention inside llama-tiny's nnx.scan, over two stages of two devices each, the
+    # layouts splitting the kernel calls over the batch: each stage's programs run them in
+    # shard_map on the stage's devices (one manual computation per call in the lowered task
+    # programs), and the step equals the unsharded one.
+    config = models.load_model_config("llama-tiny", overrides={
+        "n_layers": 2, "attention_impl": "pallas", "scan_layers": True})
+    graphdef, state = models.init_train_state(config, seed=0)
+    step = models.make_train_step(graphdef)
+    graph = sp.trace(step, jax.eval_shape(lambda: state),
+                     jax.eval_shape(lambda: models.example_batch(config, 4, seed=0)))
+    kernels = [op for op in graph.ops if op.primitive == "shardplan_kernel"]
+    assert len(kernels) == 2 and all(op.loop for op in kernels)
+
+    def batch_split(tensors):
+        return tuple((("inner",), *(() for _ in graph.tensors[t].shape[1:])) for t in tensors)
+
+    specs = {"/".join(map(str, op.path)): (batch_split(op.outputs), batch_split(op.inputs))
+             for op in kernels}
+    _, _, _, plan = _planned("llama-tiny")
+    piped = _pipeline(_planned_for(plan, step, state, config),
+                      [[("a100-80g", (0, 1), ("pre", "blocks.0")),
+                        ("v100-32g", (4, 5), ("blocks.1", "post"))]], 4, [4],
+                      kernel_specs=specs)
+    calls, lowered = [], []
+    real_split, real_run = constrain._split_kernel, PipelinedStep._run
+
+    def split(name, eqn, values, pinned):
+        calls.append((name, frozenset(d.id for d in pinned[0][0].mesh.devices.flat)))
+        return real_split(name, eqn, values, pinned)
+
+    def run(self, prog, name, args):
+        if self._compiled is not None and id(prog) not in self._seen:
+            text = prog.fn.lower(*args).as_text()
+            lowered.append((prog.stage, max(text.count("sdy.manual_computation"),
+                                            text.count("SPMDFullToShardShape"))))
+        return real_run(self, prog, name, args)
+
+    monkeypatch.setattr(constrain, "_split_kernel", split)
+    monkeypatch.setattr(PipelinedStep, "_run", run)
+    _three_steps(config, state, step, piped)  # (made by hand: no memory figures checked)
+    assert {c for c in calls} == {(k.attrs["kernel"], frozenset(ids)) for k in kernels
+                                  for ids in ((0, 1), (4, 5))}
+    # Per stage: a forward and a backward call (a backward task recomputing the forward under
+    # full remat would show one more); every call is in some task program of its stage.
+    assert {stage: sum(n for s, n in lowered if s == stage) for stage in (0, 1)} == {0: 2, 1: 2}

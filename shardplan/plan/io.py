@@ -59,12 +59,13 @@ _PLAN_KEYS = ({"schema_version", "shardplan_version", "graph_fingerprint", "clus
                "measured"})
 _STAGE_KEYS = ({"index", "device_type", "mesh", "layers"}, {"remat", "replica", "layout"})
 _REPLICA_KEYS = ({"stages", "microbatches"}, set[str]())
-_LAYOUT_KEYS = ({"param_specs", "batch_specs"}, set[str]())
+_LAYOUT_KEYS = ({"param_specs", "batch_specs"}, {"kernel_specs"})
 _MESH_KEYS = ({"axis_names", "axis_sizes", "device_ids"}, set[str]())
 _PREDICTED_KEYS = ({"step_time_s", "compute_s", "communication_s", "memory_bytes",
                     "collectives"}, {"stage_flops"})
 _PARAM_KEYS = ({"stage", "spec"}, set[str]())
 _CONSTRAINT_KEYS = ({"stage", "results", "operands"}, set[str]())
+_KERNEL_SPEC_KEYS = ({"results", "operands"}, set[str]())
 
 
 # --------------------------------------------------------------------------- plan -> JSON
@@ -119,7 +120,11 @@ def plan_to_dict(plan: Plan, /, *, volatile: bool = True) -> dict[str, Any]:
         "replicas": [{"stages": list(r.stages), "microbatches": r.microbatches}
                      for r in plan.replicas],
         "layouts": {name: {"param_specs": {k: _spec_json(v) for k, v in lay.param_specs.items()},
-                           "batch_specs": {k: _spec_json(v) for k, v in lay.batch_specs.items()}}
+                           "batch_specs": {k: _spec_json(v) for k, v in lay.batch_specs.items()},
+                           "kernel_specs": {k: {"results": [_spec_json(x) for x in results],
+                                                "operands": [_spec_json(x) for x in operands]}
+                                            for k, (results, operands)
+                                            in lay.kernel_specs.items()}}
                     for name, lay in plan.layouts.items()},
         "predicted": {
             "step_time_s": p.step_time_s,
@@ -305,7 +310,17 @@ def _layouts(data: object, *, where: str) -> dict[str, Layout]:
     for key, entry in data.items():
         e = _object(entry, _LAYOUT_KEYS, where=f"{where}[{key!r}]")
         with _within(f"{where}[{key!r}]"):
-            out[key] = Layout(e["param_specs"], e["batch_specs"])
+            kernels = e.get("kernel_specs", {})
+            if not isinstance(kernels, dict):
+                raise _fail("Expected a JSON object {equation path: {results, operands}}.",
+                            where=f"{where}[{key!r}].kernel_specs", value=kernels,
+                            remedy='write e.g. {"12": {"results": [[["data"]]], '
+                                   '"operands": [[["data"]]]}}')
+            specs = {k: _object(x, _KERNEL_SPEC_KEYS, where=f"{where}[{key!r}].kernel_specs"
+                                                             f"[{k!r}]")
+                     for k, x in kernels.items()}
+            out[key] = Layout(e["param_specs"], e["batch_specs"],
+                              {k: (x["results"], x["operands"]) for k, x in specs.items()})
     return out
 
 

@@ -186,6 +186,10 @@ class Layout:
       param_specs: ``{state key path: spec}`` for every state leaf; a stage applies the specs of
         the leaves its layers own (of a stacked leaf, the rows of its layers).
       batch_specs: ``{batch key path: spec}`` of one microbatch.
+      kernel_specs: ``{equation path: (spec of each result, spec of each non-literal
+        operand)}`` of the step's kernel calls (:mod:`shardplan.kernels`): the stage's programs
+        run them in ``shard_map`` with these specs (XLA never partitions a kernel). The
+        stages' other equations take the shardings XLA propagates from their arguments.
 
     Example:
         >>> Layout({"0/w": ((), ("model",))}, {"x": ((), ())}).param_specs["0/w"]
@@ -194,6 +198,8 @@ class Layout:
 
     param_specs: Mapping[str, Spec]
     batch_specs: Mapping[str, Spec]
+    kernel_specs: Mapping[str, tuple[tuple[Spec, ...], tuple[Spec, ...]]] = dataclasses.field(
+        default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("param_specs", "batch_specs"):
@@ -202,6 +208,26 @@ class Layout:
             object.__setattr__(self, name, FrozenMap({
                 _check_str(k, where=f"layout.{name} key", empty_ok=True):
                 as_spec(v, where=f"layout.{name}[{k!r}]") for k, v in specs.items()}))
+        kernels = _mapping(self.kernel_specs, where="layout.kernel_specs",
+                           example="{'12/3': (((('data',), ()),), ((('data',), ()),))}")
+        checked: dict[str, tuple[tuple[Spec, ...], tuple[Spec, ...]]] = {}
+        for key, entry in kernels.items():
+            where = f"layout.kernel_specs[{key!r}]"
+            if not isinstance(key, str) or not all(p.isdigit() for p in key.split("/")):
+                raise _config_error("An equation path is equation indices joined by '/'.",
+                                    where="layout.kernel_specs key", value=key,
+                                    remedy="write e.g. '12/3'")
+            if isinstance(entry, str) or not isinstance(entry, Sequence) or len(entry) != 2:
+                raise _config_error("Expected (result specs, operand specs).", where=where,
+                                    value=entry, remedy="write (((('data',), ()),), "
+                                                        "((('data',), ()),))")
+            results, operands = (tuple(as_spec(spec, where=f"{where} {part}[{i}]")
+                                       for i, spec in enumerate(
+                                           _sequence(items, where=f"{where} {part}")))
+                                 for part, items in (("results", entry[0]),
+                                                     ("operands", entry[1])))
+            checked[key] = (results, operands)
+        object.__setattr__(self, "kernel_specs", FrozenMap(checked))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -672,6 +698,11 @@ def _check_layouts(value: object, stages: tuple[Stage, ...]) -> FrozenMap[str, L
                 if not all(axis in names for dim in spec for axis in dim):
                     _check_axes(spec, stage,
                                 where=f"plan.layouts[{stage.layout!r}].{name}[{key!r}]")
+        for key, (results, operands) in layout.kernel_specs.items():
+            for part, specs in (("results", results), ("operands", operands)):
+                for i, spec in enumerate(specs):
+                    _check_axes(spec, stage, where=f"plan.layouts[{stage.layout!r}]"
+                                                   f".kernel_specs[{key!r}] {part}[{i}]")
     return FrozenMap(dict(layouts))
 
 

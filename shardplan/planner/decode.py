@@ -15,8 +15,8 @@ def decode_constraints(graph: OpGraph, ip: IntraOpProblem, solution: Solution
                        ) -> dict[tuple[int, ...], tuple[int, tuple[Spec, ...], tuple[Spec, ...]]]:
     """What to pin, by equation path: ``{path: (op id, result specs, operand specs)}``.
 
-    Every op (not a value regenerated from constants; not inside a loop body, which the runtime
-    cannot address) with a non-scalar result. Followers are pinned too: a value whose producer
+    Every op (not a value regenerated from constants; not inside a ``while`` or ``cond`` body,
+    which the runtime does not address) with a non-scalar result; a ``scan`` body's ops too. Followers are pinned too: a value whose producer
     is free while two consumers read it differently is where the partitioner makes its own
     choice (measured: computing a replicated value sharded for one consumer and gathering it
     for the other), so nothing is left to propagation. Its results are pinned as the chosen strategy leaves

@@ -26,10 +26,11 @@ from shardplan.cluster import Cluster
 from shardplan.cluster.device import DeviceSpec
 from shardplan.cluster.link import Link as ClusterLink
 from shardplan.errors import ConfigError, format_error
+from shardplan.kernels.registry import PRIMITIVE as KERNEL
 from shardplan.plan.plan import Layout, MeshSpec, Plan, Predicted, ReplicaSpec, Spec, Stage
 from shardplan.plan.timeline import TIMELINE_COLUMNS
 from shardplan.planner.alternatives import LAYOUT_BASIS, leaf_alternatives, pipeline_runner_ups
-from shardplan.planner.decode import decode_input_specs
+from shardplan.planner.decode import decode_constraints, decode_input_specs
 from shardplan.planner.layer_costs import LayerCosts
 from shardplan.solver.pipeline import (
     REMATS,
@@ -354,9 +355,14 @@ def _pipeline_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, costs: 
         name = _layout_name(group.name, mesh.axis_names, mesh.axis_sizes)
         if name not in layouts:
             specs = decode_input_specs(intra.problem, intra.solution)
+            kernels = {"/".join(map(str, path)): (results, operands) for path, (op, results,
+                       operands) in decode_constraints(graph, intra.problem,
+                                                       intra.solution).items()
+                       if graph.ops[op].primitive == KERNEL}
             layouts[name] = Layout(
                 {p.path: specs[p.tensor] for p in graph.parameters if p.arg_index == 0},
-                {p.path: specs[p.tensor] for p in graph.parameters if p.arg_index == 1})
+                {p.path: specs[p.tensor] for p in graph.parameters if p.arg_index == 1},
+                kernels)
             alternatives[name] = leaf_alternatives(graph, intra.problem, intra.solution,
                                                    basis=LAYOUT_BASIS)
         stages.append(Stage(index=index, device_type=group.device.name,

@@ -11,12 +11,14 @@ Equations are addressed by their path (:attr:`shardplan.trace.Op.path`): the ind
 top-level equations, then among the equations of each call (``jit``, custom derivative rule)
 they sit in. A call that holds a constrained equation is evaluated inline (a nested ``jit`` is
 inlined by XLA anyway; a custom derivative rule's primal computation is what it computes, and
-the step is already differentiated); every other equation is bound as it is, loop bodies
-included.
+the step is already differentiated), and so is a ``scan`` that does (as a scan over the
+evaluated body, :func:`_scan`); every other equation is bound as it is, ``while`` and ``cond``
+bodies included.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -31,7 +33,7 @@ from shardplan.kernels.registry import recorded
 from shardplan.plan.plan import Spec
 from shardplan.trace.flatten import call_like_jaxpr
 
-__all__ = ["constrained", "parse_path", "partition_spec"]
+__all__ = ["Pins", "constrained", "parse_path", "partition_spec", "run_pinned"]
 
 
 def partition_spec(spec: Spec) -> P:
@@ -65,19 +67,55 @@ def constrained(fn: Callable[..., Any], args: Sequence[Any],
     traced = jax.jit(fn).trace(*abstract)
     closed = traced.jaxpr
     out_tree = jax.tree.structure(traced.out_info)
-    inlined = {path[:k] for path in constraints for k in range(1, len(path))}
-    def named(specs: tuple[Spec, ...]) -> tuple[NamedSharding, ...]:
-        return tuple(NamedSharding(mesh, partition_spec(s)) for s in specs)
-
-    shardings = {path: (named(results), named(operands))
-                 for path, (results, operands) in constraints.items()}
+    pins = Pins.of(constraints, mesh)
 
     def run(*call_args: Any) -> Any:
         flat = jax.tree.leaves(call_args)
-        outs = _evaluate(closed.jaxpr, closed.consts, flat, (), shardings, inlined)
+        outs = _evaluate(closed.jaxpr, closed.consts, flat, (), pins)
         return jax.tree.unflatten(out_tree, outs)
 
     return run
+
+
+_Pinned = tuple[tuple[NamedSharding, ...], tuple[NamedSharding, ...]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Pins:
+    """Shardings to pin, by equation path, on one mesh.
+
+    Attributes:
+      shardings: ``{equation path: (sharding of each result, of each non-literal operand)}``.
+      inlined: the paths of the calls and ``scan`` s that hold a pinned equation (evaluated
+        equation by equation rather than bound whole).
+    """
+
+    shardings: Mapping[tuple[int, ...], _Pinned]
+    inlined: frozenset[tuple[int, ...]]
+
+    @classmethod
+    def of(cls, constraints: Mapping[tuple[int, ...], tuple[tuple[Spec, ...], tuple[Spec, ...]]],
+           mesh: Mesh) -> Pins:
+        """The pins of ``{path: (result specs, operand specs)}`` on ``mesh``."""
+        def named(specs: tuple[Spec, ...]) -> tuple[NamedSharding, ...]:
+            return tuple(NamedSharding(mesh, partition_spec(s)) for s in specs)
+
+        return cls({path: (named(results), named(operands))
+                    for path, (results, operands) in constraints.items()},
+                   frozenset(path[:k] for path in constraints for k in range(1, len(path))))
+
+    def touch(self, path: tuple[int, ...]) -> bool:
+        """Whether the equation at ``path`` is pinned or holds pinned equations."""
+        return path in self.shardings or path in self.inlined
+
+
+def run_pinned(eqn: Any, values: Sequence[Any], path: tuple[int, ...], pins: Pins,
+               params: Mapping[str, Any] | None = None) -> list[Any]:
+    """The results of the step's equation at ``path`` on ``values``, with its pins (a kernel
+    call run split; a call or scan holding pinned equations evaluated with theirs).
+    ``params``: the equation's parameters to use instead of its own (a scan cut to fewer
+    rows)."""
+    return _equation(eqn, list(values), path, pins, _is_literal, params)
 
 
 def _literal_in(eqn: Any) -> bool:
@@ -132,11 +170,12 @@ def _abstract_leaf(x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
 
 
+def _is_literal(v: Any) -> bool:
+    return isinstance(v, jex_core.Literal)
+
+
 def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], prefix: tuple[int, ...],
-              shardings: Mapping[tuple[int, ...],
-                                 tuple[tuple[NamedSharding, ...], tuple[NamedSharding, ...]]],
-              inlined: set[tuple[int, ...]], literal_args: frozenset[int] = frozenset(),
-              ) -> list[Any]:
+              pins: Pins, literal_args: frozenset[int] = frozenset()) -> list[Any]:
     """Evaluates ``jaxpr``. ``literal_args``: positions of arguments that were literals where
     the call was made; the tracer left them out of its ops' operands, and so do the plan's
     operand specs, which are matched to the other operands in order."""
@@ -156,30 +195,59 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], prefix: tu
         if k in literal_args:
             literal_vars.add(v)
     for i, eqn in enumerate(jaxpr.eqns):
-        path = (*prefix, i)
-        values = [read(v) for v in eqn.invars]
-        pinned = shardings.get(path)
-        if pinned is not None:
-            operands = iter(pinned[1])
-            values = [v if is_literal(var) else jax.lax.with_sharding_constraint(v, next(operands))
-                      for var, v in zip(eqn.invars, values, strict=True)]
-        kernel = str(eqn.params.get("name", "")) if eqn.primitive.name in ("pjit", "jit") else ""
-        inner = call_like_jaxpr(eqn) if path in inlined else None
-        if pinned is not None and kernel.startswith(KERNEL_PREFIX) and not _literal_in(eqn):
-            outs = _split_kernel(kernel, eqn, values, pinned)
-        elif inner is not None:
-            literal_positions = frozenset(k for k, v in enumerate(eqn.invars) if is_literal(v))
-            outs = _evaluate(inner[0], inner[1], values, path, shardings, inlined,
-                             literal_positions)
-        else:
-            params = eqn.primitive.get_bind_params(eqn.params)
-            with eqn.ctx.manager:
-                result = eqn.primitive.bind(*values, **params)
-            outs = list(result) if eqn.primitive.multiple_results else [result]
-        if pinned is not None:
-            outs = [jax.lax.with_sharding_constraint(o, s) for o, s in zip(outs, pinned[0],
-                                                                          strict=True)]
+        outs = _equation(eqn, [read(v) for v in eqn.invars], (*prefix, i), pins, is_literal)
         for v, o in zip(eqn.outvars, outs, strict=True):
             if not isinstance(v, jex_core.DropVar):
                 env[v] = o
     return [read(v) for v in jaxpr.outvars]
+
+
+def _equation(eqn: Any, values: list[Any], path: tuple[int, ...], pins: Pins,
+              is_literal: Callable[[Any], bool],
+              params: Mapping[str, Any] | None = None) -> list[Any]:
+    """One equation's results, with its pins and those of the equations inside it."""
+    pinned = pins.shardings.get(path)
+    if pinned is not None:
+        operands = iter(pinned[1])
+        values = [v if is_literal(var) else jax.lax.with_sharding_constraint(v, next(operands))
+                  for var, v in zip(eqn.invars, values, strict=True)]
+    params = eqn.params if params is None else params
+    name = eqn.primitive.name
+    kernel = str(params.get("name", "")) if name in ("pjit", "jit") else ""
+    inner = (call_like_jaxpr(eqn) if path in pins.inlined and name != "scan" else None)
+    if pinned is not None and kernel.startswith(KERNEL_PREFIX) and not _literal_in(eqn):
+        outs = _split_kernel(kernel, eqn, values, pinned)
+    elif name == "scan" and path in pins.inlined:
+        literal_positions = frozenset(k for k, v in enumerate(eqn.invars) if is_literal(v))
+        outs = _scan(params, values, path, pins, literal_positions)
+    elif inner is not None:
+        literal_positions = frozenset(k for k, v in enumerate(eqn.invars) if is_literal(v))
+        outs = _evaluate(inner[0], inner[1], values, path, pins, literal_positions)
+    else:
+        with eqn.ctx.manager:
+            result = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(params))
+        outs = list(result) if eqn.primitive.multiple_results else [result]
+    if pinned is not None:
+        outs = [jax.lax.with_sharding_constraint(o, s) for o, s in zip(outs, pinned[0],
+                                                                      strict=True)]
+    return outs
+
+
+def _scan(params: Mapping[str, Any], values: Sequence[Any], path: tuple[int, ...], pins: Pins,
+          literal_args: frozenset[int]) -> list[Any]:
+    """A ``scan`` whose body holds pinned equations, run again as ``jax.lax.scan`` over the
+    body evaluated with its pins (and its kernel calls split): same length, direction and
+    unrolling, the loop-invariant operands closed over."""
+    n_consts, n_carry = int(params["num_consts"]), int(params["num_carry"])
+    body = params["jaxpr"]
+    consts = list(values[:n_consts])
+
+    def step(carry: list[Any], xs: list[Any]) -> tuple[list[Any], list[Any]]:
+        outs = _evaluate(body.jaxpr, body.consts, [*consts, *carry, *xs], path, pins,
+                         literal_args)
+        return outs[:n_carry], outs[n_carry:]
+
+    carry, ys = jax.lax.scan(step, list(values[n_consts:n_consts + n_carry]),
+                             list(values[n_consts + n_carry:]), length=int(params["length"]),
+                             reverse=bool(params["reverse"]), unroll=params["unroll"])
+    return [*carry, *ys]

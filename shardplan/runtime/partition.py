@@ -62,6 +62,7 @@ from jax.extend import core as jcore
 from shardplan.errors import PipelineError, format_error
 from shardplan.kernels.registry import PREFIX as KERNEL_PREFIX
 from shardplan.runtime.accumulate import StepSplit, autodiff_phase
+from shardplan.runtime.constrain import Pins, run_pinned
 from shardplan.runtime.rows import RowSplit, Runs, bind
 
 __all__ = ["Program", "VirtualStages", "gradient_programs", "row_runs", "update_programs",
@@ -223,11 +224,15 @@ def _programs(jaxpr: Any, consts: Sequence[Any], eqns: Sequence[Any],
               out_sharding: Callable[[Any, int], Any] | None = None,
               donate: Mapping[tuple[int, int], tuple[int, ...]] | None = None,
               again: Mapping[int, Sequence[int]] | None = None,
+              pins: Mapping[int, Pins] | None = None,
+              path_of: Mapping[int, tuple[int, ...]] | None = None,
               ) -> list[Program]:
     """One program per group ``(key, stage)`` of equations or items (``group_of``: each one's
     group); ``keep(var, group)``: whether a value the group defines is an output; ``donate``:
     per group, the arguments its program donates; ``again``: per group, equations of earlier
-    groups it runs once more (rematerialisation) instead of reading their results."""
+    groups it runs once more (rematerialisation) instead of reading their results; ``pins``:
+    per stage, the shardings its layout pins (kernel calls), on equations found by their path
+    (``path_of``: by the equation's ``id``)."""
     out: list[Program] = []
     for g, (key, stage) in enumerate(groups):
         mine = sorted({i for i in range(len(eqns)) if group_of[i] == g}
@@ -246,12 +251,20 @@ def _programs(jaxpr: Any, consts: Sequence[Any], eqns: Sequence[Any],
         shardings = None if out_sharding is None else [out_sharding(v, stage) for v in outputs]
         plain = [eqns[i].eqn if isinstance(eqns[i], _Item) else eqns[i] for i in mine
                  if not isinstance(eqns[i], _Item) or eqns[i].kind == "eqn"]
-        if len(plain) == len(mine):
+        stage_pins = (pins or {}).get(stage)
+        pinned = {} if stage_pins is None else {
+            id(e): path for i in mine
+            if (e := eqns[i].eqn if isinstance(eqns[i], _Item) else eqns[i]) is not None
+            and (path := (path_of or {}).get(id(e))) is not None and stage_pins.touch(path)}
+        if len(plain) == len(mine) and not pinned:
             fn = _compile(jaxpr, consts, plain, inputs, outputs, shardings,
                           (donate or {}).get((key, stage), ()))
         else:
-            fn = _interpreted([eqns[i] for i in mine], jaxpr.constvars, consts, inputs,
-                              outputs)
+            items = [e if isinstance(e, _Item) else _Item("eqn", e, tuple(e.invars),
+                                                          tuple(e.outvars), frozenset())
+                     for e in (eqns[i] for i in mine)]
+            fn = _interpreted(items, jaxpr.constvars, consts, inputs, outputs,
+                              (stage_pins, pinned) if stage_pins is not None else None)
         out.append(Program(key, stage, fn, tuple(sources.get(v, ("value", v)) for v in inputs),
                            tuple(outputs)))
     return out
@@ -392,8 +405,11 @@ def _cut_scans(eqns: Sequence[Any], names: Sequence[frozenset[str]], virtual: Vi
 
 
 def _interpreted(items: Sequence[_Item], constvars: Sequence[Any], consts: Sequence[Any],
-                 inputs: Sequence[Any], outputs: Sequence[Any]) -> Any:
-    """A jitted program evaluating ``items`` (for tasks holding segments of a cut scan)."""
+                 inputs: Sequence[Any], outputs: Sequence[Any],
+                 pins: tuple[Pins, Mapping[int, tuple[int, ...]]] | None = None) -> Any:
+    """A jitted program evaluating ``items`` (for tasks holding segments of a cut scan or
+    pinned equations: ``pins``, the stage's and the paths of the equations they touch, by
+    ``id``, which :func:`~shardplan.runtime.constrain.run_pinned` evaluates)."""
     def run(*args: Any) -> list[Any]:
         env: dict[Any, Any] = dict(zip(constvars, consts, strict=True))
         env.update(zip(inputs, args, strict=True))
@@ -419,7 +435,11 @@ def _interpreted(items: Sequence[_Item], constvars: Sequence[Any], consts: Seque
                     if isinstance(params.get("unroll"), int) and not isinstance(
                             params["unroll"], bool):
                         params["unroll"] = max(1, min(params["unroll"], b - a))
-                out = bind(e, values, params)
+                path = None if pins is None else pins[1].get(id(e))
+                if path is not None and pins is not None:
+                    out = run_pinned(e, values, path, pins[0], params)
+                else:
+                    out = bind(e, values, params)
             env.update(zip(item.outvars, out, strict=True))
         return [read(v) for v in outputs]
 
@@ -433,6 +453,7 @@ def gradient_programs(split: StepSplit, labels: Mapping[tuple[int, ...], frozens
                       rerun: Mapping[str, Collection[tuple[int, ...]]] | None = None,
                       rows: RowSplit | None = None,
                       cut_runs: Mapping[int, Runs] | None = None,
+                      pins: Mapping[int, Pins] | None = None,
                       ) -> tuple[list[Program], list[Any], dict[int, Runs]]:
     """The gradient part of one replica cut into its tasks (the module docstring).
 
@@ -457,6 +478,8 @@ def gradient_programs(split: StepSplit, labels: Mapping[tuple[int, ...], frozens
         ``("state", i)`` for internal leaf ``i``.
       cut_runs: per cut value to hand on as pieces, its runs (``None``: with ``rows``, every
         stacked output of a cut scan, by its runs; else none).
+      pins: per stage, the equations its layout pins (:attr:`shardplan.Layout.kernel_specs`:
+        the kernel calls, run in ``shard_map`` with those specs), by the step's paths.
 
     Returns:
       The tasks; their cut outputs, the internal cut values (``RowSplit(n_cut, runs)``: a
@@ -565,7 +588,8 @@ def gradient_programs(split: StepSplit, labels: Mapping[tuple[int, ...], frozens
             h != g and h not in runs_of[i] for j in readers.get(v, ()) for h in runs_of[j]))
 
     programs = _programs(jaxpr, split.gradient.consts, eqns, groups, group_of, sources, keep,
-                         again=again)
+                         again=again, pins=pins,
+                         path_of={id(e): p for e, p in zip(jaxpr.eqns, paths, strict=True)})
     return [dataclasses.replace(p, terms={v: term_of[v] for v in p.outputs if v in term_of})
             if any(v in term_of for v in p.outputs) else p for p in programs], outvars, runs
 

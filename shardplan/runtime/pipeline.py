@@ -76,6 +76,7 @@ from shardplan.errors import PipelineError, PlanMismatchError, format_error
 from shardplan.plan import Plan
 from shardplan.plan.plan import Layout, ReplicaSpec
 from shardplan.runtime.accumulate import StepSplit, reduction_kinds, split_batch, split_step
+from shardplan.runtime.constrain import Pins, parse_path
 from shardplan.runtime.partition import (
     Program,
     VirtualStages,
@@ -131,7 +132,9 @@ def _labels(step: Callable[..., Any], state: Any, batch: Any,
     in_core: dict[tuple[int, ...], bool] = {}
     in_fusion: dict[tuple[int, ...], bool] = {}
     for op in graph.ops:
-        if op.path is None:
+        # A loop body's ops: the runtime cuts a scan by the stacks it reads (partition), not
+        # by its body's labels.
+        if op.path is None or op.loop:
             continue
         layers = [names[j] for j in op.layers]
         core = all(facts.core[t] for t in op.outputs)
@@ -302,9 +305,13 @@ class PipelinedStep:
                                   layer_order, chunks) for r in self._replicas]
         remat = {st.index: st.remat for st in plan.stages}
         shardings = {}
+        pins: dict[int, Pins] = {}
         for st in plan.stages:
             layout = plan.layouts[st.layout] if st.layout else Layout(
                 {k: spec for k, (_, spec) in plan.param_specs.items()}, plan.batch_specs)
+            if layout.kernel_specs:  # the stage's kernel calls run split (constrain.Pins)
+                pins[st.index] = Pins.of({parse_path(k): v for k, v in
+                                          layout.kernel_specs.items()}, self._meshes[st.index])
             shardings[st.index] = (
                 jax.tree.leaves(leaf_shardings(state, layout.param_specs,
                                                self._meshes[st.index], "state")),
@@ -312,11 +319,11 @@ class PipelinedStep:
                                                self._meshes[st.index], "batch")))
         rows = _row_split(split, state, stacks, virtual[0], shardings)
         first, handed, cut_runs = gradient_programs(split, labels, virtual[0], n_state, stacks,
-                                                    remat, rerun, rows)
+                                                    remat, rerun, rows, pins=pins)
         tasks, cut_vars = [first], [handed]
         for v in virtual[1:]:
             more, handed, _ = gradient_programs(split, labels, v, n_state, stacks, remat,
-                                                rerun, rows, cut_runs)
+                                                rerun, rows, cut_runs, pins)
             tasks.append(more)
             cut_vars.append(handed)
         cut_rows = RowSplit(len(split.cut_avals), cut_runs)

@@ -245,8 +245,9 @@ class _Builder:
              count: int, trips: int, stack: str, loop: tuple[tuple[int, int], ...],
              path: tuple[int, ...] | None = None) -> list[int | None]:
         """Adds the ops of ``jaxpr``. ``path`` is the position of this jaxpr's equations in the
-        traced program (indices through inlined calls) or None inside loop and branch bodies,
-        whose equations the runtime cannot address one by one."""
+        traced program (indices through inlined calls and ``scan`` bodies) or None inside
+        ``while`` and ``cond`` bodies, whose equations the runtime does not address one by
+        one."""
         # Tensor ids by variable, keyed by id(): jax variables compare by identity (and the
         # jaxpr holds them all), literals are not hashable and map to None like an unknown.
         env: dict[int, int | None] = {}
@@ -349,7 +350,7 @@ class _Builder:
         name = eqn.primitive.name
         kw: dict[str, Any] = dict(count=count, trips=trips, stack=stack, loop=loop)
         if name == "scan":
-            return self._scan(eqn, in_ids, **kw)
+            return self._scan(eqn, in_ids, **kw, path=path)
         if name == "while":
             return self._while(eqn, in_ids, **kw)
         if name == "cond":
@@ -370,6 +371,10 @@ class _Builder:
         """A shardplan kernel's ``jax.jit`` call: one op (:mod:`shardplan.kernels.registry`),
         not the Pallas call inside, which only its registered rule can split."""
         name = str(eqn.params["name"])
+        if not eqn.outvars:
+            # What autodiff leaves of a call whose work went elsewhere (a kernel inside a
+            # ``scan`` body: the partial evaluation's empty known part): nothing to cost.
+            return []
         in_avals = [v.aval for v in eqn.invars if not isinstance(v, jcore.Literal)]
         out_avals = [v.aval for v in eqn.outvars]
         if rule_for(name) is None:
@@ -383,7 +388,8 @@ class _Builder:
                                 attrs={"kernel": name}, path=path))
 
     def _scan(self, eqn: Any, in_ids: list[int | None], *, count: int, trips: int, stack: str,
-              loop: tuple[tuple[int, int], ...]) -> list[int | None]:
+              loop: tuple[tuple[int, int], ...], path: tuple[int, ...] | None
+              ) -> list[int | None]:
         p = eqn.params
         length = int(p["length"])
         n_consts, n_carry = int(p["num_consts"]), int(p["num_carry"])
@@ -403,8 +409,10 @@ class _Builder:
                                     trips=trips, stack=stack, source=source, loop=loop,
                                     structural=True, attrs={"loop": loop_id})
             body_in.append(sliced)
+        # The body's equations extend the scan's path: the runtime pins them in a scan it
+        # rebuilds around the evaluated body (runtime/constrain.py).
         outs = self.walk(body.jaxpr, body_in, body.consts, count=count * length,
-                         trips=trips * length, stack=stack, loop=inner_loop)
+                         trips=trips * length, stack=stack, loop=inner_loop, path=path)
         carry_out = outs[:n_carry]
         ys = outs[n_carry:]
         results: list[int | None] = list(carry_out)

@@ -72,9 +72,10 @@ class Op:
         stacking a scanned output) that keep the graph's data flow explicit.
       attrs: primitive parameters the later stages need (dimension numbers, axes), as plain data.
       path: where its equation sits in the traced program: its index among the top-level
-        equations, then among those of each inlined call (``jit``, custom derivatives) it is
-        inside; None inside loop and branch bodies and for structural markers. The runtime
-        finds the equation again by it to constrain its result's sharding.
+        equations, then among those of each inlined call (``jit``, custom derivatives) and
+        ``scan`` body it is inside; None inside ``while`` and ``cond`` bodies and for
+        structural markers. The runtime finds the equation again by it to constrain its
+        result's sharding.
     """
 
     id: int
