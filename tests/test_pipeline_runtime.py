@@ -416,7 +416,7 @@ def test_a_kernel_inside_a_scanned_stack_runs_split_on_each_stage(monkeypatch) -
     monkeypatch.setattr(constrain, "_split_kernel", split)
     monkeypatch.setattr(PipelinedStep, "_run", run)
     _three_steps(config, state, step, piped)  # (made by hand: no memory figures checked)
-    assert {c for c in calls} == {(k.attrs["kernel"], frozenset(ids)) for k in kernels
+    assert set(calls) == {(k.attrs["kernel"], frozenset(ids)) for k in kernels
                                   for ids in ((0, 1), (4, 5))}
     # Per stage: a forward and a backward call (a backward task recomputing the forward under
     # full remat would show one more); every call is in some task program of its stage.

@@ -212,21 +212,13 @@ class Layout:
                            example="{'12/3': (((('data',), ()),), ((('data',), ()),))}")
         checked: dict[str, tuple[tuple[Spec, ...], tuple[Spec, ...]]] = {}
         for key, entry in kernels.items():
+            _check_path(key, where="layout.kernel_specs key")
             where = f"layout.kernel_specs[{key!r}]"
-            if not isinstance(key, str) or not all(p.isdigit() for p in key.split("/")):
-                raise _config_error("An equation path is equation indices joined by '/'.",
-                                    where="layout.kernel_specs key", value=key,
-                                    remedy="write e.g. '12/3'")
             if isinstance(entry, str) or not isinstance(entry, Sequence) or len(entry) != 2:
                 raise _config_error("Expected (result specs, operand specs).", where=where,
                                     value=entry, remedy="write (((('data',), ()),), "
                                                         "((('data',), ()),))")
-            results, operands = (tuple(as_spec(spec, where=f"{where} {part}[{i}]")
-                                       for i, spec in enumerate(
-                                           _sequence(items, where=f"{where} {part}")))
-                                 for part, items in (("results", entry[0]),
-                                                     ("operands", entry[1])))
-            checked[key] = (results, operands)
+            checked[key] = _pinned_specs(entry[0], entry[1], where=where)
         object.__setattr__(self, "kernel_specs", FrozenMap(checked))
 
 
@@ -648,9 +640,7 @@ def _check_constraints(value: object, stages: tuple[Stage, ...]
     for key in sorted(entries, key=order):
         entry = entries[key]
         where = f"plan.constraints[{key!r}]"
-        if not isinstance(key, str) or not all(p.isdigit() for p in key.split("/")):
-            raise _config_error("An equation path is equation indices joined by '/'.",
-                                where="plan.constraints key", value=key, remedy="write e.g. '12/3'")
+        _check_path(key, where="plan.constraints key")
         if isinstance(entry, str) or not isinstance(entry, Sequence) or len(entry) != 3:
             raise _config_error("Expected (stage index, result specs, operand specs).",
                                 where=where, value=entry,
@@ -661,15 +651,29 @@ def _check_constraints(value: object, stages: tuple[Stage, ...]
                             f"{len(stages)} stage{'s' if len(stages) != 1 else ''}.",
                             where=where, value=stage,
                             remedy=f"use a stage index in 0 .. {len(stages) - 1}")
-        groups = []
-        for part, items in (("results", entry[1]), ("operands", entry[2])):
-            specs = tuple(as_spec(spec, where=f"{where} {part}[{i}]")
-                          for i, spec in enumerate(_sequence(items, where=f"{where} {part}")))
+        results, operands = _pinned_specs(entry[1], entry[2], where=where)
+        for part, specs in (("results", results), ("operands", operands)):
             for i, spec in enumerate(specs):
                 _check_axes(spec, stages[stage], where=f"{where} {part}[{i}]")
-            groups.append(specs)
-        out[key] = (stage, groups[0], groups[1])
+        out[key] = (stage, results, operands)
     return FrozenMap(out)
+
+
+def _check_path(key: object, *, where: str) -> None:
+    """Raises ConfigError unless ``key`` is an equation path: indices joined by ``/``."""
+    if not isinstance(key, str) or not all(p.isdigit() for p in key.split("/")):
+        raise _config_error("An equation path is equation indices joined by '/'.",
+                            where=where, value=key, remedy="write e.g. '12/3'")
+
+
+def _pinned_specs(results: object, operands: object, *, where: str
+                  ) -> tuple[tuple[Spec, ...], tuple[Spec, ...]]:
+    """An equation's result and operand specs, each checked (``as_spec``)."""
+    def specs(items: object, part: str) -> tuple[Spec, ...]:
+        return tuple(as_spec(spec, where=f"{where} {part}[{i}]")
+                     for i, spec in enumerate(_sequence(items, where=f"{where} {part}")))
+
+    return specs(results, "results"), specs(operands, "operands")
 
 
 def _check_layouts(value: object, stages: tuple[Stage, ...]) -> FrozenMap[str, Layout]:

@@ -31,6 +31,7 @@ from shardplan.errors import RuntimeFailure, format_error
 from shardplan.kernels.registry import PREFIX as KERNEL_PREFIX
 from shardplan.kernels.registry import recorded
 from shardplan.plan.plan import Spec
+from shardplan.runtime.rows import bind
 from shardplan.trace.flatten import call_like_jaxpr
 
 __all__ = ["Pins", "constrained", "parse_path", "partition_spec", "run_pinned"]
@@ -214,19 +215,19 @@ def _equation(eqn: Any, values: list[Any], path: tuple[int, ...], pins: Pins,
     params = eqn.params if params is None else params
     name = eqn.primitive.name
     kernel = str(params.get("name", "")) if name in ("pjit", "jit") else ""
-    inner = (call_like_jaxpr(eqn) if path in pins.inlined and name != "scan" else None)
+    inlined = path in pins.inlined
+    literals = frozenset(k for k, v in enumerate(eqn.invars) if is_literal(v)) if inlined \
+        else frozenset()
+    inner = call_like_jaxpr(eqn) if inlined and name != "scan" else None
     if pinned is not None and kernel.startswith(KERNEL_PREFIX) and not _literal_in(eqn):
         outs = _split_kernel(kernel, eqn, values, pinned)
-    elif name == "scan" and path in pins.inlined:
-        literal_positions = frozenset(k for k, v in enumerate(eqn.invars) if is_literal(v))
-        outs = _scan(params, values, path, pins, literal_positions)
+    elif inlined and name == "scan":
+        outs = _scan(params, values, path, pins, literals)
     elif inner is not None:
-        literal_positions = frozenset(k for k, v in enumerate(eqn.invars) if is_literal(v))
-        outs = _evaluate(inner[0], inner[1], values, path, pins, literal_positions)
+        outs = _evaluate(inner[0], inner[1], values, path, pins, literals)
     else:
         with eqn.ctx.manager:
-            result = eqn.primitive.bind(*values, **eqn.primitive.get_bind_params(params))
-        outs = list(result) if eqn.primitive.multiple_results else [result]
+            outs = bind(eqn, values, params)
     if pinned is not None:
         outs = [jax.lax.with_sharding_constraint(o, s) for o, s in zip(outs, pinned[0],
                                                                       strict=True)]

@@ -252,10 +252,11 @@ def _programs(jaxpr: Any, consts: Sequence[Any], eqns: Sequence[Any],
         plain = [eqns[i].eqn if isinstance(eqns[i], _Item) else eqns[i] for i in mine
                  if not isinstance(eqns[i], _Item) or eqns[i].kind == "eqn"]
         stage_pins = (pins or {}).get(stage)
+        held = [x.eqn if isinstance(x, _Item) else x for x in (eqns[i] for i in mine)]
         pinned = {} if stage_pins is None else {
-            id(e): path for i in mine
-            if (e := eqns[i].eqn if isinstance(eqns[i], _Item) else eqns[i]) is not None
-            and (path := (path_of or {}).get(id(e))) is not None and stage_pins.touch(path)}
+            id(e): path for e in held  # (segments of a cut scan included)
+            if e is not None and (path := (path_of or {}).get(id(e))) is not None
+            and stage_pins.touch(path)}
         if len(plain) == len(mine) and not pinned:
             fn = _compile(jaxpr, consts, plain, inputs, outputs, shardings,
                           (donate or {}).get((key, stage), ()))
@@ -264,7 +265,7 @@ def _programs(jaxpr: Any, consts: Sequence[Any], eqns: Sequence[Any],
                                                           tuple(e.outvars), frozenset())
                      for e in (eqns[i] for i in mine)]
             fn = _interpreted(items, jaxpr.constvars, consts, inputs, outputs,
-                              (stage_pins, pinned) if stage_pins is not None else None)
+                              _pinned_bind(stage_pins, pinned) if pinned else bind)
         out.append(Program(key, stage, fn, tuple(sources.get(v, ("value", v)) for v in inputs),
                            tuple(outputs)))
     return out
@@ -404,12 +405,27 @@ def _cut_scans(eqns: Sequence[Any], names: Sequence[frozenset[str]], virtual: Vi
     return kept[::-1], handed, dict(cut_runs)
 
 
+def _pinned_bind(pins: Pins | None, pinned: Mapping[int, tuple[int, ...]]
+                 ) -> Callable[[Any, Sequence[Any], Mapping[str, Any]], list[Any]]:
+    """:func:`~shardplan.runtime.rows.bind` but for the equations ``pinned`` names (by
+    ``id``, their paths), which :func:`~shardplan.runtime.constrain.run_pinned` evaluates
+    with ``pins``."""
+    def run(eqn: Any, values: Sequence[Any], params: Mapping[str, Any]) -> list[Any]:
+        path = pinned.get(id(eqn))
+        if path is None or pins is None:
+            return bind(eqn, values, params)
+        return run_pinned(eqn, values, path, pins, params)
+
+    return run
+
+
 def _interpreted(items: Sequence[_Item], constvars: Sequence[Any], consts: Sequence[Any],
                  inputs: Sequence[Any], outputs: Sequence[Any],
-                 pins: tuple[Pins, Mapping[int, tuple[int, ...]]] | None = None) -> Any:
+                 evaluate: Callable[[Any, Sequence[Any], Mapping[str, Any]], list[Any]] = bind,
+                 ) -> Any:
     """A jitted program evaluating ``items`` (for tasks holding segments of a cut scan or
-    pinned equations: ``pins``, the stage's and the paths of the equations they touch, by
-    ``id``, which :func:`~shardplan.runtime.constrain.run_pinned` evaluates)."""
+    pinned equations), each equation by ``evaluate`` (``rows.bind``, or
+    :func:`_pinned_bind`'s)."""
     def run(*args: Any) -> list[Any]:
         env: dict[Any, Any] = dict(zip(constvars, consts, strict=True))
         env.update(zip(inputs, args, strict=True))
@@ -435,11 +451,7 @@ def _interpreted(items: Sequence[_Item], constvars: Sequence[Any], consts: Seque
                     if isinstance(params.get("unroll"), int) and not isinstance(
                             params["unroll"], bool):
                         params["unroll"] = max(1, min(params["unroll"], b - a))
-                path = None if pins is None else pins[1].get(id(e))
-                if path is not None and pins is not None:
-                    out = run_pinned(e, values, path, pins[0], params)
-                else:
-                    out = bind(e, values, params)
+                out = evaluate(e, values, params)
             env.update(zip(item.outvars, out, strict=True))
         return [read(v) for v in outputs]
 
