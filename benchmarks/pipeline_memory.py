@@ -21,9 +21,11 @@ and the ratios to the prediction and to the budget, and whether the stage's stac
 (a scanned stack's) are held as its own rows. Writes
 ``benchmarks/results/pipeline_memory.json``.
 
-Usage: ``python benchmarks/pipeline_memory.py [--fractions 0.6 0.4 0.3] [--max-stages 3]``
-(``--max-stages``: plans of at most that many stages per replica, so that a budget can force
-three; the results then go to ``pipeline_memory_max<N>.json``).
+Usage: ``python benchmarks/pipeline_memory.py [--fractions 0.6 0.4 0.3] [--max-stages 3]
+[--layers 6]`` (``--max-stages``: plans of at most that many stages per replica, so that a
+budget can force three; the results then go to ``pipeline_memory_max<N>.json``.
+``--layers``: blocks per model, 4 by default; three stages cut a scanned stack of 6 into equal
+runs, one of 4 they cannot, so the stage planner gives a 4-block scan no 3-stage plan).
 """
 
 from __future__ import annotations
@@ -52,9 +54,10 @@ CASES = {"gpt loop": ("gpt-tiny", {}), "gpt scan": ("gpt-tiny-scan", {}),
 BATCH = 16
 
 
-def run_case(name: str, fraction: float, max_stages: int | None = None) -> dict:
+def run_case(name: str, fraction: float, max_stages: int | None = None,
+             n_layers: int = 4) -> dict:
     preset, overrides = CASES[name]
-    config = models.load_model_config(preset, overrides={"n_layers": 4, **overrides})
+    config = models.load_model_config(preset, overrides={"n_layers": n_layers, **overrides})
     graphdef, state = models.init_train_state(config, seed=0)
     step = models.make_train_step(graphdef)
     shapes = (jax.eval_shape(lambda: state),
@@ -66,7 +69,7 @@ def run_case(name: str, fraction: float, max_stages: int | None = None) -> dict:
         budget = fraction * max(one.predicted.memory_bytes.values())
         plan = sp.make_plan(step, *shapes, cluster=cluster,
                             config=sp.PlanConfig(memory_budget_bytes=budget, pipeline=True,
-                                                 max_stages=max_stages))
+                                                 max_stages=max_stages or 0))
     run = sp.apply_plan(step, plan, measure_steps=2)  # the third step records live bytes
     for i in range(3):
         state, _ = run(state, models.example_batch(config, BATCH, seed=i))
@@ -89,7 +92,8 @@ def run_case(name: str, fraction: float, max_stages: int | None = None) -> dict:
             "compiled_program": largest["name"], "held_bytes": held,
             "resident_bytes": plan.solver["resident_bytes"][str(st.index)],
             "live_bytes": max(live.get(d, 0) for d in st.mesh.device_ids)})
-    return {"case": name, "fraction": fraction, "max_stages": max_stages, "budget_bytes": budget,
+    return {"case": name, "fraction": fraction, "max_stages": max_stages, "n_layers": n_layers,
+            "budget_bytes": budget,
             "stacked_rows_split": bool(split),
             "replicas": [len(r.stages) for r in plan.replicas], "schedule": plan.schedule,
             "microbatch_size": plan.microbatch_size, "stages": stages}
@@ -100,6 +104,7 @@ def main() -> None:
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.6, 0.4, 0.3])
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--max-stages", type=int, default=None)
+    parser.add_argument("--layers", type=int, default=4, help="blocks per model")
     args = parser.parse_args()
     results = (RESULTS if args.max_stages is None else
                RESULTS.with_name(f"pipeline_memory_max{args.max_stages}.json"))
@@ -110,11 +115,11 @@ def main() -> None:
     for case in args.cases:
         for fraction in args.fractions:
             try:
-                row = run_case(case, fraction, args.max_stages)
+                row = run_case(case, fraction, args.max_stages, args.layers)
             except sp.ShardplanError as err:  # refused before the first step: recorded
                 first = str(err).splitlines()[0]
                 rows.append({"case": case, "fraction": fraction, "max_stages": args.max_stages,
-                             "refused": str(err)})
+                             "n_layers": args.layers, "refused": str(err)})
                 print(f"{case:<11}{fraction:>6.2f}  refused: {first}", flush=True)
                 continue
             rows.append(row)

@@ -23,7 +23,7 @@ from pipeline_bruteforce import all_plans, best, count_plans, objective, random_
 from shardplan.errors import ConfigError, InfeasibleError
 from shardplan.solver._bound import config_bound
 from shardplan.solver._mix import best_mix
-from shardplan.solver._shapes import replica_shapes, shape_of
+from shardplan.solver._shapes import replica_shapes, shape_of, stack_edges
 from shardplan.solver.pipeline import (
     DeviceGroup,
     LayerKind,
@@ -34,6 +34,7 @@ from shardplan.solver.pipeline import (
     Replica,
     StagePlacement,
     evaluate_pipeline,
+    stack_violations,
     stage_link,
     sync_link,
 )
@@ -106,6 +107,69 @@ def test_matches_brute_force_on_random_problems() -> None:
                         ("cost", 10), ("replicas", 30), ("pipelined", 10),
                         ("unlike replicas", 10), ("uneven", 5), ("remat", 20), ("groups", 10)):
         assert seen[what] >= least, (what, seen)
+
+
+def test_matches_brute_force_with_scanned_stacks() -> None:
+    # A scanned stack's rows may only be cut into equal runs on alike stages (the runtime holds
+    # them as one array split evenly over the stages' devices): the search keeps the optimum
+    # among such plans, and it is one the brute force's checker accepts.
+    rng = random.Random(20261204)
+    seen: Counter[str] = Counter()
+    while seen["problems"] < 250:
+        problem = random_problem(rng)
+        n = len(problem.layers)
+        if n < 3:
+            continue
+        a = rng.randrange(0, n - 2)
+        b = rng.randrange(a + 2, n + 1)
+        # with working and recomputed bytes, so that a stage's loop over two or more rows
+        # holds more than one row (looped_work)
+        kinds = tuple(dataclasses.replace(kind, options={g: tuple(dataclasses.replace(
+            o, recompute_bytes={r: rng.uniform(0.0, 1.0) / o.devices for r in problem.remats},
+            work_bytes={r: rng.uniform(0.0, 1.5) / o.devices for r in problem.remats})
+            for o in opts) for g, opts in kind.options.items()}) for kind in problem.kinds)
+        problem = dataclasses.replace(problem, kinds=kinds)
+        stacked = dataclasses.replace(problem, stacks=((a, b),))
+        if count_plans(stacked, PLAN_LIMIT) > PLAN_LIMIT:
+            continue
+        seen["problems"] += 1
+        expected, _ = best(stacked)
+        free, _ = best(problem)
+        seen["constrained"] += expected > free
+        try:
+            solution = solve_pipeline(stacked)
+        except InfeasibleError:
+            assert expected == math.inf, f"problem {seen['problems']}: planner found nothing"
+            continue
+        ev = solution.evaluation
+        assert ev.feasible and not stack_violations(stacked.stacks, ())
+        for replica in solution.plan.replicas:
+            assert not stack_violations(stacked.stacks, replica.stages), solution.plan
+            runs = {i for i, st in enumerate(replica.stages) for x in st.layers if a <= x < b}
+            seen["cut"] += len(runs) > 1
+            seen["looped"] += any(len([x for x in st.layers if a <= x < b]) > 1
+                                  for st in replica.stages)
+        got = ev.step_time_s if stacked.objective == "time" else ev.cost_per_step
+        assert got == expected or math.isclose(got, expected, rel_tol=1e-12, abs_tol=0.0), (
+            f"problem {seen['problems']}: planner {got!r}, brute force {expected!r}")
+    assert seen["constrained"] >= 10 and seen["cut"] >= 10 and seen["looped"] >= 20, seen
+
+
+def test_a_stack_cut_unevenly_is_a_violation() -> None:
+    stages = (StagePlacement(0, 1, (0, 1)), StagePlacement(0, 1, (2, 3, 4)),
+              StagePlacement(0, 1, (5,)))
+    assert stack_violations(((1, 5),), stages) == [
+        ", scanned stack of layers 1..4: cut into runs of unequal length [1, 3] (stages [0, 1])"]
+    assert stack_violations(((1, 3),), stages) == []  # 1 + 1 rows on stages 0 and 1
+    other = (StagePlacement(0, 1, (0, 1)), StagePlacement(1, 1, (2, 3, 4, 5)))
+    assert stack_violations(((0, 4),), other) == [
+        ", scanned stack of layers 0..3: its stages [0, 1] differ in group or sub-mesh size"]
+    interleaved = (StagePlacement(0, 1, (0, 2)), StagePlacement(0, 1, (1, 3)))
+    assert stack_violations(((0, 4),), interleaved) == [
+        ", scanned stack of layers 0..3: its rows return to a stage (runs on stages "
+        "[0, 1, 0, 1])"]
+    assert stack_edges(6, 3, ((1, 5),)) == [0, 1, 3, 6]  # pre; 2 rows; 2 rows + post
+    assert stack_edges(4, 3, ((0, 4),)) is None  # 4 rows on 3 stages: no equal runs
 
 
 def test_same_inputs_same_plan() -> None:

@@ -55,7 +55,7 @@ from shardplan.planner.mesh import MeshChoice, MeshSearch
 from shardplan.solver.pipeline import REMATS, LayerKind, LayerOption
 from shardplan.trace.graph import Layer, OpGraph
 
-__all__ = ["LayerCosts", "layer_costs", "submesh_sizes"]
+__all__ = ["LayerCosts", "layer_costs", "scanned_stacks", "submesh_sizes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +75,7 @@ class LayerCosts:
         :class:`~shardplan.planner.mesh.MeshSearch`), ``readback_s``, ``total_s``; and
         ``per_submesh_s``: per (group, devices) the search and readback seconds of its own
         (0 where it reused another group's solution).
+      stacks: the scanned stacks, as ranges of pipeline layers (:func:`scanned_stacks`).
     """
 
     kinds: tuple[LayerKind, ...]
@@ -84,6 +85,7 @@ class LayerCosts:
     choices: Mapping[tuple[int, int], MeshChoice]
     skipped_sizes: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     timings: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+    stacks: tuple[tuple[int, int], ...] = ()
 
 
 def submesh_sizes(count: int, devices_per_node: int, *, limit: int = 64) -> tuple[int, ...]:
@@ -158,7 +160,23 @@ def layer_costs(graph: OpGraph, cluster: Cluster, *, reference_batch: int,
     return LayerCosts(kinds=kinds, layers=tuple(kind_of),
                       names=tuple(layer.name for layer in pipeline_layers),
                       reference_batch=reference_batch, choices=choices,
-                      skipped_sizes=skipped, timings=timings)
+                      skipped_sizes=skipped, timings=timings,
+                      stacks=scanned_stacks(pipeline_layers))
+
+
+def scanned_stacks(layers: Sequence[Layer]) -> tuple[tuple[int, int], ...]:
+    """The scanned stacks among the pipeline ``layers``, as ranges ``(a, b)`` of their
+    positions: the layers of one stack that own the same parameters (the stacked leaves,
+    whose rows they are), two or more, consecutive."""
+    rows: dict[str, list[int]] = {}
+    owned: dict[str, set[tuple[str, ...]]] = {}
+    for i, layer in enumerate(layers):
+        if layer.stack is not None and layer.params:
+            rows.setdefault(layer.stack, []).append(i)
+            owned.setdefault(layer.stack, set()).add(tuple(sorted(layer.params)))
+    return tuple(sorted((at[0], at[-1] + 1) for name, at in rows.items()
+                        if len(at) > 1 and len(owned[name]) == 1
+                        and at == list(range(at[0], at[-1] + 1))))
 
 
 def _useful_sizes(graph: OpGraph, cluster: Cluster, layers: Sequence[Layer]

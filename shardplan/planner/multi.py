@@ -142,7 +142,8 @@ def pipeline_problem(costs: LayerCosts, cluster: Cluster, *, batch: int,
     return PipelineProblem(
         kinds=costs.kinds, layers=costs.layers, groups=tuple(groups), between_groups=between,
         group_links=pairs, batch=batch, microbatch_sizes=sizes, schedules=tuple(schedules),
-        remats=tuple(remats), chunks=tuple(chunks), max_stages=max_stages)
+        remats=tuple(remats), chunks=tuple(chunks), max_stages=max_stages,
+        stacks=costs.stacks)
 
 
 # --------------------------------------------------------------------------- make_plan

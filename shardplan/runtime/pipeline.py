@@ -61,6 +61,7 @@ import functools
 import itertools
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -72,7 +73,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from shardplan._traceback import api_boundary
-from shardplan.errors import PipelineError, PlanMismatchError, format_error
+from shardplan.errors import PipelineError, PlanMismatchError, ShardplanWarning, format_error
 from shardplan.plan import Plan
 from shardplan.plan.plan import Layout, ReplicaSpec
 from shardplan.runtime.accumulate import StepSplit, reduction_kinds, split_batch, split_step
@@ -697,7 +698,8 @@ def _row_split(split: StepSplit, state: Any,
     scan of the gradient part reads row by row, for a stack whose rows lie on several of
     replica 0's stages, and the optimizer state of their shape; each only where its pieces
     form one array over their stages' devices (``rows.expressible``; else it stays whole on
-    one stage)."""
+    one stage, with a warning: the stage planner cuts stacks only where they do,
+    ``solver.pipeline.stack_violations``, so only an edited plan gets there)."""
     jaxpr = split.gradient.jaxpr
     leaves = jax.tree.leaves(state)
     invar = {v: j for j, v in enumerate(jaxpr.invars[:len(leaves)])}
@@ -707,8 +709,9 @@ def _row_split(split: StepSplit, state: Any,
     def fits(j: int, r: tuple[tuple[int, int], ...]) -> bool:
         return expressible([shardings[s][0][j] for s in where[r]], r, np.ndim(leaves[j]))
 
-    for layers, owned in stacks.values():
-        if not all(name in virtual.owner for name in layers):
+    whole: dict[str, tuple[tuple[int, int], ...]] = {}
+    for name, (layers, owned) in stacks.items():
+        if not all(layer in virtual.owner for layer in layers):
             continue
         r = row_runs(layers, virtual.owner)
         where[r] = [virtual.stages[virtual.position[virtual.owner[layers[a]]]] for a, _ in r]
@@ -719,9 +722,20 @@ def _row_split(split: StepSplit, state: Any,
                 continue
             for x in e.invars[e.params["num_consts"] + e.params["num_carry"]:]:
                 j = invar.get(x) if _is_var(x) else None
-                if j is not None and j in owned and np.shape(leaves[j])[:1] == (len(layers),) \
-                        and fits(j, r):
-                    runs[j] = r
+                if j is not None and j in owned and np.shape(leaves[j])[:1] == (len(layers),):
+                    if fits(j, r):
+                        runs[j] = r
+                    else:
+                        whole[name] = r
+    if whole:
+        warnings.warn(format_error(
+            "A scanned stack is cut where its stages' rows do not form one array: its stacked "
+            "leaves stay whole on one stage, and every stage reading them fetches a full copy "
+            "(more memory than the plan predicts).",
+            where=f"the stack {', '.join(whole)}", value={k: list(v) for k, v in whole.items()},
+            remedy="cut the stack into runs of equal length on distinct stages of one device "
+                   "type and sub-mesh size, as sp.make_plan does"), ShardplanWarning,
+            stacklevel=5)
     read = {invar[v] for e in jaxpr.eqns for v in e.invars if _is_var(v) and v in invar}
     for j, x in enumerate(leaves):
         if j in runs or j in read:

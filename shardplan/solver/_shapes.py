@@ -15,6 +15,7 @@ Both programs stop with :class:`SearchTimeout` at the problem's time limit.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import time
@@ -27,7 +28,9 @@ from shardplan.solver.pipeline import (
     Schedule,
     StagePlacement,
     group_link,
+    looped_work,
     period_1f1b,
+    stack_violations,
     stage_link,
     stage_work,
 )
@@ -157,6 +160,9 @@ class _Types:
                                             for e in by_group[g]))
                           for g, ds in by_group.items() for d in ds}
         self._hops: dict[tuple, float] = {}
+        # per layer, the scanned stack it is a row of (-1: none), for looped_work
+        self.stack_at = [next((s for s, (a, b) in enumerate(problem.stacks) if a <= x < b), -1)
+                         for x in range(len(problem.layers))]
         # per type, per layer: (seconds, state, activation, update, gradient / devices,
         # recomputed bytes, working bytes)
         self.per_layer: list[list[tuple[float, ...] | None]] = []
@@ -198,6 +204,7 @@ class _Types:
         (:func:`~shardplan.solver.pipeline.stage_held` with no microbatch in flight)."""
         t = st = ac = up = sg = rc = wk = 0.0
         row = self.per_layer[ti]
+        works = []
         for layer in layers:
             v = row[layer]
             if v is None:
@@ -209,7 +216,9 @@ class _Types:
             sg += v[4]
             rc += v[5]
             wk = max(wk, v[6])
-        return t, st + self.mb * stage_work(rc, wk), ac, up, sg
+            works.append(v[6])
+        looped = looped_work(self.problem.stacks, layers, works)
+        return t, st + self.mb * stage_work(rc, wk, looped), ac, up, sg
 
     def runs(self, ti: int, mem: float) -> list[list[tuple[float, ...]]]:
         """Per first layer ``i``, the sums of ``[i, i + L)`` for ``L = 1, 2, ...`` while the
@@ -221,12 +230,14 @@ class _Types:
             nxt = out[i + 1]
             # Start i + 1 stopped at layer i + 1 + L; if the L + 1 kinds from i are those
             # from i + 1, start i has the same sums and stops at the same length.
+            # (Not with scanned stacks: a stage's working bytes depend on where they lie.)
             size = len(nxt)
             if i + 1 < n and i + 1 + size < n and layers[i:i + size + 1] == layers[
-                    i + 1:i + size + 2]:
+                    i + 1:i + size + 2] and not self.problem.stacks:
                 out[i] = nxt
                 continue
-            t = st = ac = up = sg = rc = wk = 0.0
+            t = st = ac = up = sg = rc = wk = looped = run_best = 0.0
+            run = 0
             acc: list[tuple[float, ...]] = []
             for j in range(i, n):
                 v = row[j]
@@ -239,7 +250,14 @@ class _Types:
                 sg += v[4]
                 rc += v[5]
                 wk = max(wk, v[6])
-                held = st + mb * stage_work(rc, wk)
+                stack = self.stack_at[j]  # the rows in a row, as looped_work counts them
+                if stack >= 0 and j > i and self.stack_at[j - 1] == stack:
+                    run, run_best = run + 1, max(run_best, v[6])
+                else:
+                    run, run_best = (1, v[6]) if stack >= 0 else (0, 0.0)
+                if run >= 2:
+                    looped = max(looped, run_best)
+                held = st + mb * stage_work(rc, wk, looped)
                 if held + 1.0 * mb * ac > mem:
                     break
                 acc.append((t, held, ac, up, sg))
@@ -397,14 +415,61 @@ def uniform_shapes(problem: PipelineProblem, mb: int, schedule: Schedule, v: int
                 edges = [0]
                 for i in range(k):
                     edges.append(edges[-1] + q + (i >= k - extra))
+                if problem.stacks and stack_violations(
+                        problem.stacks, [StagePlacement(g, d, tuple(range(a, b)))
+                                         for a, b in itertools.pairwise(edges)]):
+                    edges = stack_edges(n, k, problem.stacks) or []
                 parts = [tuple(range(a, b)) for a, b in itertools.pairwise(edges)]
             budget.spend(k)
-            shape = shape_of(problem, mb, schedule, v,
-                             [StagePlacement(g, d, part, r) for part in parts],  # type: ignore[arg-type]
-                             types)
+            stages = [StagePlacement(g, d, part, r) for part in parts]  # type: ignore[arg-type]
+            if not stages or stack_violations(problem.stacks, stages):
+                continue  # (interleaved chunks that cut a stack unevenly)
+            shape = shape_of(problem, mb, schedule, v, stages, types)
             if shape is not None:
                 out.append(shape)
     return _undominated(out, safe)
+
+
+@functools.lru_cache(maxsize=1024)
+def stack_edges(n: int, k: int, stacks: tuple[tuple[int, int], ...]) -> list[int] | None:
+    """The stage edges ``0 = e_0 < ... < e_k = n`` of ``k`` contiguous stages with the shortest
+    longest stage among those that cut each scanned stack into equal runs
+    (:func:`~shardplan.solver.pipeline.stack_violations`; one group and sub-mesh size for all
+    stages), ties to the first found; ``None`` when there are none.
+
+    Per choice of the runs per stack (``q`` dividing its rows ``L``: cuts at every ``L / q``
+    rows and nowhere else inside it), a dynamic program over the positions a stage may end at
+    (outside the stacks, and those cuts)."""
+    options: list[list[tuple[set[int], set[int]]]] = []  # per stack: (forced, forbidden)
+    for a, b in stacks:
+        rows = b - a
+        options.append([({a + r * x for x in range(1, rows // r)},
+                         set(range(a + 1, b)) - {a + r * x for x in range(1, rows // r)})
+                        for r in (rows // q for q in range(1, rows + 1) if rows % q == 0)])
+    best: tuple[int, list[int]] | None = None
+    for choice in itertools.product(*options):
+        forced = set().union(*(f for f, _ in choice))
+        forbidden = set().union(*(x for _, x in choice))
+        ends = [p for p in range(n + 1) if p not in forbidden]
+        if len(ends) < k + 1:
+            continue
+        # most[c][p]: the shortest longest stage of c stages covering [0, p), with its edges
+        most: list[dict[int, tuple[int, list[int]]]] = [{0: (0, [0])}]
+        for _ in range(k):
+            level: dict[int, tuple[int, list[int]]] = {}
+            for p, (longest, edges) in most[-1].items():
+                for q in ends:
+                    if q <= p:
+                        continue
+                    if q > p + 1 and any(f in forced for f in range(p + 1, q)):
+                        break  # a stage may not hold a forced cut inside it
+                    value = (max(longest, q - p), [*edges, q])
+                    if q not in level or value[0] < level[q][0]:
+                        level[q] = value
+            most.append(level)
+        if n in most[k] and (best is None or most[k][n][0] < best[0]):
+            best = most[k][n]
+    return None if best is None else best[1]
 
 
 def _order(s: Shape) -> tuple:
@@ -420,8 +485,18 @@ def _hop(problem: PipelineProblem, a: tuple[int, int], b: tuple[int, int], last:
 
 def _linear(problem: PipelineProblem, types: _Types, schedule: Schedule, total: int,
             bound: PlanBound, budget: Budget) -> tuple[list[Shape], int]:
-    """GPipe / 1F1B: stages of contiguous layers, built from the last one backwards."""
+    """GPipe / 1F1B: stages of contiguous layers, built from the last one backwards.
+
+    A label whose front stage starts inside a scanned stack (``problem.stacks``) is keyed by
+    that stage's group, sub-mesh size and rows of the stack as well: a stage put in front of
+    it must match them (:func:`~shardplan.solver.pipeline.stack_violations`), and labels of
+    different keys are never compared, so the rules keep an optimal plan among the legal
+    ones."""
     n, n_groups = len(problem.layers), len(problem.groups)
+    inside: list[tuple[int, int] | None] = [None] * (n + 1)  # the stack a cut here splits
+    for a, b in problem.stacks:
+        for i in range(a + 1, b):
+            inside[i] = (a, b)
     mems = [problem.groups[g].memory_bytes for g, _, _ in types.types]
     runs = [types.runs(ti, mems[ti]) for ti in range(len(types.types))]
     counts = [g.count for g in problem.groups]
@@ -435,11 +510,12 @@ def _linear(problem: PipelineProblem, types: _Types, schedule: Schedule, total: 
 
     kept = tried = 0
     # key (first layer, hop class of the front stage) -> labels of the stages from there on
+    # and, where the front stage starts inside a scanned stack, its (group, devices, rows)
     buckets: dict[tuple, list[Label]] = {
-        (n, None): [((0,) * n_groups, 0.0, 0.0, total, 0.0, 0.0, 0, None, None, ())]}
+        (n, None, None): [((0,) * n_groups, 0.0, 0.0, total, 0.0, 0.0, 0, None, None, ())]}
     for j in range(n, 0, -1):
         for key in sorted((k for k in buckets if k[0] == j), key=repr):
-            front = key[1]
+            front, need = key[1], key[2]
             for lab in buckets[key]:
                 budget.check(1 + tried)
                 tried = 0
@@ -448,7 +524,7 @@ def _linear(problem: PipelineProblem, types: _Types, schedule: Schedule, total: 
                 if problem.max_stages and p >= problem.max_stages:
                     continue
                 for ti, (g, d, _r) in enumerate(types.types):
-                    if usage[g] + d > counts[g]:
+                    if usage[g] + d > counts[g] or (need is not None and need[:2] != (g, d)):
                         continue
                     c = types.hop(g, d, front, j - 1) if front is not None else 0.0
                     nu = (*usage[:g], usage[g] + d, *usage[g + 1:])
@@ -470,11 +546,20 @@ def _linear(problem: PipelineProblem, types: _Types, schedule: Schedule, total: 
                         nupd, nsig = max(upd, up), max(sig, sg)
                         if bound.hopeless(nsec, nbott, ncap, 1, nsig, nupd, nu, i):
                             break
+                        if need is not None:  # the rows the stage behind holds, exactly
+                            rows = j - max(i, inside[j][0])  # type: ignore[index]
+                            if rows > need[2]:
+                                break
+                            if rows < need[2]:
+                                continue
+                        cut = inside[i]
+                        here = None if cut is None else (g, d, min(j, cut[1]) - i)
                         new = (nu, nsec, nbott, ncap, nsig, nupd, p + 1, lab,
                                (ti, tuple(range(i, j))),
                                (t, *(t + c + x for x in windows)))
-                        kept += _insert(buckets.setdefault((i, types.hop_class[g, d]), []),
-                                        new, better)
+                        kept += _insert(
+                            buckets.setdefault((i, types.hop_class[g, d], here), []),
+                            new, better)
     shapes: list[Shape] = []
     for key, labs in buckets.items():
         if key[0] == 0 and key[1] is not None:
@@ -531,21 +616,35 @@ def _interleaved(problem: PipelineProblem, types: _Types, schedule: Schedule, v:
         layers_of = [tuple(j for c in range(v) for j in range((i + c * k) * size,
                                                              (i + c * k + 1) * size))
                      for i in range(k)]
+        # The scanned stacks these chunks cut: each must be legal whatever the stages' groups
+        # (its runs of one length, on distinct stages); then its stages share a group and
+        # sub-mesh size, which the labels' keys carry (``hosts``: per such stack, the first
+        # (group, devices) seen on it).
+        placements = [StagePlacement(0, 1, layers) for layers in layers_of]
+        if stack_violations(problem.stacks, placements):
+            continue
+        spans = [[i for i, layers in enumerate(layers_of) if any(a <= x < b for x in layers)]
+                 for a, b in problem.stacks]
+        spans = [held for held in spans if len(held) > 1]
         sums = [[types.sums(ti, layers_of[i]) for ti in range(len(types.types))]
                 for i in range(k)]
         # key (hop classes of the first and the previous stage) -> labels
         level: dict[tuple, list[Label]] = {
-            (None, None): [((0,) * n_groups, 0.0, 0.0, total, 0.0, 0.0, 0, None, None, ())]}
+            (None, None, (None,) * len(spans)):
+                [((0,) * n_groups, 0.0, 0.0, total, 0.0, 0.0, 0, None, None, ())]}
         for i in range(k):
             nxt: dict[tuple, list[Label]] = {}
             for key in sorted(level, key=repr):
-                first, prev = key
+                first, prev, hosts = key
                 for lab in level[key]:
                     budget.check(1 + len(types.types))
                     usage, sec, bott, cap, sig, upd = lab[:6]
                     for ti, (g, d, _r) in enumerate(types.types):
                         agg = sums[i][ti]
                         if agg is None or usage[g] + d > counts[g]:
+                            continue
+                        if any(i in held and hosts[x] not in (None, (g, d))
+                               for x, held in enumerate(spans)):
                             continue
                         t, st, ac, up, sg = agg
                         scap = stage_cap(schedule, st, ac, types.mb, mems[ti], total, i, k, v)
@@ -572,7 +671,9 @@ def _interleaved(problem: PipelineProblem, types: _Types, schedule: Schedule, v:
                             continue
                         new = (nu, nsec, nbott, ncap, nsig, nupd, i + 1, lab,
                                (ti, layers_of[i]), ())
-                        nkey = (first if first is not None else cls, cls)
+                        nkey = (first if first is not None else cls, cls,
+                                tuple((g, d) if i in held else hosts[x]
+                                      for x, held in enumerate(spans)))
                         kept += _insert(nxt.setdefault(nkey, []), new, better)
             level = nxt
         for labs in level.values():

@@ -93,6 +93,7 @@ from shardplan.solver.pipeline import (
     Schedule,
     StagePlacement,
     in_flight,
+    looped_work,
     stage_held,
     stage_work,
 )
@@ -154,10 +155,17 @@ class _Prefix:
     def activation(self, a: int, b: int) -> float:
         return self.activation_bytes[b] - self.activation_bytes[a]
 
+    stacks: tuple[tuple[int, int], ...] = ()
+    """The problem's scanned stacks (:func:`looped_work`)."""
+
+    def looped(self, a: int, b: int) -> float:
+        """:func:`looped_work` of the layers ``[a, b)``."""
+        return looped_work(self.stacks, range(a, b), self.layer_work_bytes[a:b])
+
     def work(self, a: int, b: int) -> float:
         """One backward program's working bytes per sample (:func:`stage_work`)."""
         return stage_work(self.recompute_bytes[b] - self.recompute_bytes[a],
-                          max(self.layer_work_bytes[a:b], default=0.0))
+                          max(self.layer_work_bytes[a:b], default=0.0), self.looped(a, b))
 
     def held(self, a: int, b: int, mb: int, flight: float) -> float:
         """Bytes per device of one stage holding ``flight`` microbatches of ``mb``."""
@@ -196,7 +204,7 @@ class _Tables:
                 work.append(o.work_bytes.get(remat, 0.0) if o is not None else 0.0)
             fixed, per_sample, state, activation, update, recompute = (tuple(s) for s in sums)
             self._cache[key] = _Prefix(fixed, per_sample, state, activation, update,
-                                       tuple(missing), recompute, tuple(work))
+                                       tuple(missing), recompute, tuple(work), p.stacks)
         return self._cache[key]
 
 
@@ -656,7 +664,8 @@ def _signature_figures(grid: _Grid, sig: tuple[int, ...], d: int, remat: Remat,
                 sum(pre.update(a, b) for a, b in ranges),
                 stage_work(sum(pre.recompute_bytes[b] - pre.recompute_bytes[a]
                                for a, b in ranges),
-                           max(max(pre.layer_work_bytes[a:b], default=0.0) for a, b in ranges)),
+                           max(max(pre.layer_work_bytes[a:b], default=0.0) for a, b in ranges),
+                           max(pre.looped(a, b) for a, b in ranges)),
             ) if all(pre.ok(a, b) for a, b in ranges) else None
         sums = grid.stage_memo[key]
         if sums is None:

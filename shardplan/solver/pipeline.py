@@ -45,7 +45,12 @@ Feasibility (:func:`check_pipeline` lists every violation):
   units of the whole stage's activations; :func:`in_flight`);
 * ``sum(microbatches) * mb == batch``, every ``microbatches[r] >= 1``;
 * interleaved: ``k * v`` divides the number of layers, each stage holds exactly its chunks,
-  and ``m % k == 0``.
+  and ``m % k == 0``;
+* each scanned stack (``stacks``: the layers ``[a, b)`` whose parameters are rows of shared
+  stacked leaves) lies on one stage, or is cut into runs of equal length on distinct stages of
+  one group and sub-mesh size (:func:`stack_violations`): the runtime holds a stacked leaf as
+  its stages' row slices, one ``jax.Array`` over their devices, which no ``NamedSharding``
+  describes otherwise (:mod:`shardplan.runtime.rows`).
 
 Step time (:func:`evaluate_pipeline`), per replica with ``k`` stages and ``m`` microbatches:
 
@@ -119,9 +124,11 @@ __all__ = [
     "evaluate_pipeline",
     "group_link",
     "in_flight",
+    "looped_work",
     "period_1f1b",
     "replica_time",
     "slowest_link",
+    "stack_violations",
     "stage_held",
     "stage_link",
     "stage_sigma",
@@ -216,12 +223,36 @@ class LayerOption:
     resident_bytes: float = 0.0
 
 
-def stage_work(recompute: float, work: float) -> float:
+def stage_work(recompute: float, work: float, looped: float = 0.0) -> float:
     """A stage's backward working bytes per sample beside its saved activations: the most of
     its layers' summed ``recompute_bytes`` (the recomputed forward values, live together
     when the backward starts) and their largest ``work_bytes`` (the transient buffers of one
-    layer's backward)."""
-    return max(recompute, work)
+    layer's backward); where the stage runs two or more rows of a scanned stack in a row,
+    ``looped`` (:func:`looped_work`) on top of the recomputed values: the stack's backward is
+    a loop, whose stacked values stay live until it ends, beside one row's buffers."""
+    return max(recompute + looped, work)
+
+
+def looped_work(stacks: Sequence[tuple[int, int]], layers: Sequence[int],
+                work: Sequence[float]) -> float:
+    """The largest ``work`` (per layer of ``layers``, in order) among the rows of a scanned
+    stack that the stage holds two or more of in a row (a loop of two or more iterations;
+    XLA inlines a loop of one), else 0 (:func:`stage_work`)."""
+    if not stacks:
+        return 0.0
+    best = run_best = 0.0
+    run = 0
+    previous: tuple[int, int] | None = None
+    for layer, w in zip(layers, work, strict=True):
+        stack = next((s for s, (a, b) in enumerate(stacks) if a <= layer < b), -1)
+        if stack >= 0 and previous == (layer - 1, stack):
+            run, run_best = run + 1, max(run_best, w)
+        else:
+            run, run_best = (1, w) if stack >= 0 else (0, 0.0)
+        if run >= 2:
+            best = max(best, run_best)
+        previous = (layer, stack)
+    return best
 
 
 @dataclass(frozen=True)
@@ -274,6 +305,9 @@ class PipelineProblem:
       work_limit: the stage planner's work budget in units (labels built, shapes compared,
         knapsack states, quick-sweep steps; 0: none). Unlike the wall clock, a search cut
         by it returns the same plan under any load.
+      stacks: the scanned stacks, as layer ranges ``(a, b)`` (ascending, disjoint, two layers
+        or more): layers ``a .. b - 1`` are the rows of stacked leaves, which a plan cuts only
+        into equal runs on alike stages (:func:`stack_violations`).
     """
 
     kinds: tuple[LayerKind, ...]
@@ -291,6 +325,7 @@ class PipelineProblem:
     group_links: Mapping[tuple[int, int], Link] = field(default_factory=dict)
     time_limit_s: float = 10.0
     work_limit: int = 0
+    stacks: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -557,7 +592,39 @@ def _replica_violations(problem: PipelineProblem, replica: Replica, v: int
             if problem.kinds[problem.layers[layer]].option(stage.group, stage.devices) is None:
                 out.append(f", stage {si}: layer {layer} has no option on "
                            f"{stage.devices} x {problem.groups[stage.group].name}")
+    out.extend(stack_violations(problem.stacks, replica.stages))
     return out, used
+
+
+def stack_violations(stacks: Sequence[tuple[int, int]],
+                     stages: Sequence[StagePlacement]) -> list[str]:
+    """How ``stages`` (one replica's) cut the scanned ``stacks`` where the runtime cannot hold
+    each stage's rows alone: a stack's rows on several stages must form runs of one length
+    (consecutive rows on one stage), each on its own stage, all stages of one group and
+    sub-mesh size (one ``jax.Array`` whose leading axis is split evenly over alike sub-meshes,
+    :func:`shardplan.runtime.rows.expressible`). Each text starts with ``", "``."""
+    owner = {layer: i for i, st in enumerate(stages) for layer in st.layers}
+    out = []
+    for a, b in stacks:
+        runs: list[list[int]] = []  # [stage, rows]
+        for layer in range(a, b):
+            s = owner.get(layer, -1)
+            if runs and runs[-1][0] == s:
+                runs[-1][1] += 1
+            else:
+                runs.append([s, 1])
+        if len(runs) < 2 or any(s < 0 for s, _ in runs):
+            continue
+        held = [s for s, _ in runs]
+        what = f", scanned stack of layers {a}..{b - 1}"
+        if len(set(held)) != len(held):
+            out.append(f"{what}: its rows return to a stage (runs on stages {held})")
+        elif len({n for _, n in runs}) != 1:
+            out.append(f"{what}: cut into runs of unequal length {[n for _, n in runs]} "
+                       f"(stages {held})")
+        elif len({(stages[s].group, stages[s].devices) for s in held}) != 1:
+            out.append(f"{what}: its stages {held} differ in group or sub-mesh size")
+    return out
 
 
 def _layer_order(stages: Sequence[StagePlacement], chunks: int) -> list[int]:
@@ -590,7 +657,10 @@ def _stage_sums(problem: PipelineProblem, stage: StagePlacement, mb: int) -> _St
     activation = sum(o.activation_bytes[stage.remat] for o in opts if o)
     work = stage_work(sum(o.recompute_bytes.get(stage.remat, 0.0) for o in opts if o),
                       max((o.work_bytes.get(stage.remat, 0.0) for o in opts if o),
-                          default=0.0))
+                          default=0.0),
+                      looped_work(problem.stacks, stage.layers,
+                                  [o.work_bytes.get(stage.remat, 0.0) if o else 0.0
+                                   for o in opts]))
     return seconds, state, activation, sum(o.update_s for o in opts if o), work
 
 

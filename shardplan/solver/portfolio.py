@@ -161,7 +161,9 @@ def _search(problem: PipelineProblem, suffix: str, clock: dict[str, float]
     seeds: dict[str, PipelinePlan] = {}
     for name, build in (("data-parallel", data_parallel_only), ("megatron", megatron_grid)):
         plan = build(problem)
-        if plan is not None:
+        # (a baseline cuts the layers evenly: where that splits a scanned stack unevenly it
+        # is no plan of this problem)
+        if plan is not None and evaluate_pipeline(problem, plan).feasible:
             seeds[name + suffix] = plan
     names = list(seeds)
     seeded = time.perf_counter()

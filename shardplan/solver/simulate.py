@@ -126,6 +126,7 @@ from shardplan.solver.pipeline import (
     Schedule,
     StagePlacement,
     check_pipeline,
+    looped_work,
     stage_link,
     stage_work,
     sync_link,
@@ -280,7 +281,9 @@ def _state_and_work(problem: PipelineProblem, stage: StagePlacement, mb: int) ->
     opts = _options(problem, stage)
     work = stage_work(sum(o.recompute_bytes.get(stage.remat, 0.0) for o in opts),
                       max((o.work_bytes.get(stage.remat, 0.0) for o in opts),
-                          default=0.0))
+                          default=0.0),
+                      looped_work(problem.stacks, stage.layers,
+                                  [o.work_bytes.get(stage.remat, 0.0) for o in opts]))
     return sum(o.state_bytes for o in opts) + mb * work
 
 

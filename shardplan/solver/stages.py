@@ -318,6 +318,18 @@ def infeasibility_report(problem: PipelineProblem, /) -> InfeasibilityReport:
                      else "a model with more layers"))
     elif not fits:
         reason = "no group holds one replica of the model in memory"
+    elif problem.stacks:
+        a, b = max(problem.stacks, key=lambda ab: ab[1] - ab[0])
+        rows = b - a
+        reason = ("one replica fits in memory, but not with its scanned stack (pipeline "
+                  f"layers {a}..{b - 1}, {rows} rows of stacked leaves) cut into runs of equal "
+                  "length on alike stages, as the runtime holds them, together with every "
+                  "other constraint (schedule memory, interleaving divisibility, max_stages, "
+                  "devices" + (", min_throughput)" if problem.objective == "cost" else ")"))
+        remedy = ("allow a stage count whose runs divide the stack's rows (runs of "
+                  f"{[rows // q for q in range(1, rows + 1) if rows % q == 0]} rows), more "
+                  "memory (PlanConfig.memory_budget_bytes) or remat, or write the blocks as a "
+                  "Python loop (each block its own parameters, cut anywhere)")
     else:
         reason = ("one replica fits in memory, but no plan meets every constraint together "
                   "(schedule memory, interleaving divisibility, max_stages, devices"
@@ -496,7 +508,7 @@ def _quick(problem: PipelineProblem, mb: int, schedule: Schedule, v: int, bound:
     """The quick plan of one configuration (:mod:`shardplan.solver._quick`): uniform replicas
     of a problem of identical layers from :class:`~shardplan.solver._quick.Family`, else
     :func:`~shardplan.solver._shapes.uniform_shapes`."""
-    if len(set(problem.layers)) == 1:
+    if len(set(problem.layers)) == 1 and not problem.stacks:  # Family cuts stacks anywhere
         family = Family(problem, mb, schedule, v, types, tables)
         return quick_mix(problem, family.shapes, bound, fluid, budget, family.materialize)
     shapes = uniform_shapes(problem, mb, schedule, v, bound.safe, budget)
