@@ -98,10 +98,13 @@ def programs_by_stage(plan: Plan, /) -> dict[int, list[Mapping[str, Any]]]:
 
 def compiled_collectives(programs: Mapping[int, Sequence[Mapping[str, Any]]], /
                          ) -> dict[str, list[int]]:
-    """``{kind: [count, bytes]}`` summed over the compiled programs of every stage."""
+    """``{kind: [count, bytes]}`` summed over the compiled programs of every stage (a merged
+    replica's program once, not per member stage: ``same_as``)."""
     total: dict[str, list[int]] = {}
     for progs in programs.values():
         for prog in progs:
+            if "same_as" in prog:
+                continue
             for kind, entry in prog["collectives"].items():
                 row = total.setdefault(kind, [0, 0])
                 row[0] += int(entry["count"])

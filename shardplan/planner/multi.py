@@ -42,6 +42,7 @@ from shardplan.solver.pipeline import (
     Remat,
     Replica,
     Schedule,
+    stage_sigma,
 )
 from shardplan.solver.portfolio import PipelineChoice, plan_pipeline
 from shardplan.solver.simulate import simulate
@@ -349,6 +350,7 @@ def _pipeline_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, costs: 
     replicas: list[list[int]] = [[] for _ in pp.replicas]
     memory: dict[int, int] = {}
     resident: dict[str, int] = {}  # per stage, the bytes per device it keeps between steps
+    sync_bytes: dict[str, int] = {}  # per stage, the gradient bytes a device all-reduces
     for index, ((r, i, st), devices) in enumerate(zip(flat, ids, strict=True)):
         group = cluster.groups[st.group]
         intra = costs.choices[(st.group, st.devices)]
@@ -376,6 +378,8 @@ def _pipeline_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, costs: 
         options = [problem.kinds[problem.layers[x]].option(st.group, st.devices)
                    for x in st.layers]
         resident[str(index)] = math.ceil(sum(o.resident_bytes for o in options if o))
+        if len(pp.replicas) > 1:  # what one device of the stage all-reduces across replicas
+            sync_bytes[str(index)] = math.ceil(stage_sigma(problem, st))
     param_specs = _first_holders(graph, stages, replicas[0], layouts)
     slowest = max(range(len(pp.replicas)), key=lambda r: ev.replica_time_s[r])
     communication = ev.sync_s + sum(ev.hop_time_s[slowest])
@@ -396,6 +400,7 @@ def _pipeline_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, costs: 
         "configs": stats.configs, "labels": stats.labels, "shapes": stats.shapes,
         "states": stats.states,
         "resident_bytes": resident,
+        "sync_bytes": sync_bytes,
         # the final pick (solver/portfolio.py): the search's plan or a baseline seed it did
         # not beat, with every candidate's closed-form and simulated step time
         "chosen": solution.source,

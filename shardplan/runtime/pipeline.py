@@ -26,12 +26,24 @@ and an update part) and :mod:`shardplan.runtime.partition` (both parts cut by st
   embedding's) is accumulated term by term on the stages that produce them
   (:attr:`~shardplan.runtime.partition.Program.terms`); the terms meet once per step, on the
   latest one's stage, not once per microbatch.
-* **Update.** The update runs per stage of replica 0, on the parameters that stage holds; values
-  crossing stages (a global gradient norm's partial sums, the clip factor, a step counter) are
-  sent between them. The new state leaves stay on their home stages (a returned state is a
-  pytree whose leaves live on different sub-meshes); at the next step every stage of every
-  replica fetches the leaves it reads from there (for the other replicas: the broadcast of data
-  parallelism).
+* **Data parallelism.** Identical replicas (:func:`identical_replicas`: the same stages,
+  device type, sub-mesh and microbatch count, in one process) run as one: each stage's mesh is
+  the members' sub-meshes stacked along a leading :data:`REPLICA` axis, a merged microbatch
+  is the members' microbatches joined along the samples, and each gradient task runs under
+  ``shard_map`` manual over that axis only (:func:`_spread`), so every member's devices run
+  the member's own program on their own samples, with no communication. The members' sums
+  meet once per step in each stage's ``sync`` program (:func:`_sync`: an all-reduce over
+  :data:`REPLICA` of the stage's gradient sums, the ring the stage planner prices), and the
+  update then runs on the stacked mesh, so each member's devices update their own copy of the
+  stage's layers. The transfers between stages carry each member's slice to the same
+  member's next stage.
+* **Update.** The update runs per stage of replica 0 (the merged replica, where the replicas
+  are identical), on the parameters that stage holds; values crossing stages (a global
+  gradient norm's partial sums, the clip factor, a step counter) are sent between them. The
+  new state leaves stay on their home stages (a returned state is a pytree whose leaves live
+  on different sub-meshes); at the next step every stage of every other replica (one that
+  differs from replica 0: another device type or layer split) fetches the leaves it reads
+  from there, and sends its gradient sums there: a parameter server, still (issue 22).
 * **Processes.** Under ``jax.distributed`` every process runs this same driver: it runs the
   programs of the stages on its devices, and joins each transfer it sends or receives (through
   one device on each side: cross-process copies need equal device counts). A value of another
@@ -62,7 +74,7 @@ import itertools
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,7 +100,7 @@ from shardplan.runtime.partition import (
     virtual_stages,
 )
 from shardplan.runtime.rows import RowSplit, assembled, expressible, split_rows
-from shardplan.runtime.spmd import leaf_shardings, stage_mesh
+from shardplan.runtime.spmd import REPLICA, leaf_shardings, runtime_meshes
 from shardplan.runtime.verify import (
     MEASURE_STEPS,
     StepTimer,
@@ -173,8 +185,11 @@ def placeholder(aval: Any, sharding: jax.sharding.Sharding) -> jax.Array:
 class _Mover:
     """Moves values between the stages' sub-meshes, in one process or across processes."""
 
-    def __init__(self, meshes: dict[int, jax.sharding.Mesh]) -> None:
+    def __init__(self, meshes: dict[int, jax.sharding.Mesh],
+                 merged: Collection[int] = ()) -> None:
         self.meshes = meshes
+        self.merged = frozenset(merged)  # stages of merged replicas (REPLICA axis first)
+        self.moved_bytes = 0  # bytes devices received from other devices (:func:`received`)
         self.multi = jax.process_count() > 1
         me = jax.process_index()
         self.here: dict[int, bool] = {}
@@ -193,11 +208,18 @@ class _Mover:
     def replicated(self, stage: int) -> NamedSharding:
         return NamedSharding(self.meshes[stage], P())
 
+    def spread(self, stage: int) -> NamedSharding:
+        """A gradient task's value on ``stage``: one slice per member replica along its
+        leading axis where the stage is a merged replica's, else replicated."""
+        return NamedSharding(self.meshes[stage], P(REPLICA) if stage in self.merged else P())
+
     def move(self, x: Any, aval: Any, src: int, dst: int,
              sharding: NamedSharding | None = None) -> Any:
         """``x`` (of stage ``src``; ``None`` when not here) on stage ``dst`` in ``sharding``
         (default: replicated); ``None`` when ``dst`` is not here."""
         sharding = sharding or self.replicated(dst)
+        if x is not None:
+            self.moved_bytes += received(x, sharding)
         if not self.multi or (self.here[src] and self.here[dst]):
             return jax.device_put(x, sharding)
         if not (self.here[src] or self.here[dst]):
@@ -211,6 +233,70 @@ class _Mover:
             # send (both processes then wait on each other).
             landed.block_until_ready()
         return jax.device_put(landed, sharding) if self.here[dst] else None
+
+
+def received(x: Any, sharding: jax.sharding.Sharding) -> int:
+    """The bytes the devices of ``sharding`` receive when ``x`` is put there: each device's
+    shard, except on a device that holds ``x`` already (a host array: every shard)."""
+    held = x.sharding.device_set if isinstance(x, jax.Array) else set()
+    shard = int(np.prod(sharding.shard_shape(np.shape(x)), dtype=np.int64)) * np.dtype(
+        x.dtype).itemsize
+    return shard * sum(d not in held for d in sharding.device_set)
+
+
+def _spread(prog: Program, mesh: jax.sharding.Mesh) -> Program:
+    """A gradient task of a merged replica: each member's devices run the task on their own
+    microbatch (``shard_map``, manual over :data:`REPLICA` only: inside, the program is the
+    member's, over the stage's own axes), the state shared, the values the members' joined
+    along their leading axis (a scalar's with one added: the layout of each member's buffers
+    as the member's own program makes them, so that no output is copied to gain an axis);
+    nothing is reduced across members until the step's sums are (:func:`_sync`)."""
+    state = [kind == "state" for kind, _ in prog.inputs]
+    scalar = [kind == "value" and not what.aval.shape for kind, what in prog.inputs]
+
+    def member(*args: Any) -> list[Any]:
+        outs = prog.fn(*(a[0] if s else a for a, s in zip(args, scalar, strict=True)))
+        return [x if np.ndim(x) else x[None] for x in outs]
+
+    fn = jax.jit(jax.shard_map(member, mesh=mesh,
+                               in_specs=tuple(P() if s else P(REPLICA) for s in state),
+                               out_specs=P(REPLICA), axis_names={REPLICA}, check_vma=False))
+    return dataclasses.replace(prog, fn=fn)
+
+
+def _sync(stage: int, values: list[Any], avals: list[Any], width: int) -> Program:
+    """The program summing a merged replica's per-member sums (``avals``: one member's,
+    joined along the leading axis) over its ``width`` members, each then laid out as one
+    member's: the gradients' all-reduce over :data:`REPLICA`, once per step (run and recorded
+    as ``sync <stage>``)."""
+    mesh = values[0].sharding.mesh
+    shardings = [NamedSharding(mesh, P(*_member_spec(x.sharding.spec)[:len(a.shape)]))
+                 for x, a in zip(values, avals, strict=True)]
+
+    def total(xs: list[Any]) -> list[Any]:
+        return [x.reshape(width, *a.shape).sum(axis=0, dtype=x.dtype)
+                for x, a in zip(xs, avals, strict=True)]
+
+    return Program(-1, stage, jax.jit(total, out_shardings=shardings), (), ())
+
+
+def _joined_axis(spec: Any) -> Any:
+    """The leading axis's spec entry of a value joined over the members: :data:`REPLICA`
+    outermost, then what one member's value splits it over."""
+    first = next(iter(spec), None)
+    names = (first,) if isinstance(first, str) else tuple(first or ())
+    return (REPLICA, *names) if names else REPLICA
+
+
+def _member_spec(spec: Any) -> tuple[Any, ...]:
+    """A joined value's spec with :data:`REPLICA` taken off its leading axis."""
+    entries = list(tuple(spec))
+    if entries:
+        first = entries[0]
+        names = (first,) if isinstance(first, str) else tuple(first or ())
+        kept = tuple(n for n in names if n != REPLICA)
+        entries[0] = kept[0] if len(kept) == 1 else kept or None
+    return tuple(entries)
 
 
 STEP_BARRIER_TIMEOUT_S = 3600
@@ -271,15 +357,29 @@ class PipelinedStep:
         self._compiled: list[tuple[int, str, Any]] | None = None  # collected in the 1st call
         self._seen: set[int] = set()
         self._stage_busy: dict[int, float] | None = None  # per stage, in a clocked call
-        self._meshes = {s.index: stage_mesh(plan, s.index) for s in plan.stages}
-        self.meshes = self._meshes
-        self._mover = _Mover(self._meshes)
         # (a one-stage plan has no replica list: one replica of its stage)
-        self._replicas = plan.replicas or (
+        replicas = plan.replicas or (
             ReplicaSpec(tuple(s.index for s in plan.stages), plan.microbatches),)
-        self._counts = plan.replica_microbatches
+        # Identical replicas run as one, each of its stages over the members' sub-meshes
+        # stacked along a leading REPLICA axis (the module docstring, "Data parallelism").
+        self._meshes, self._groups = runtime_meshes(plan)
+        # per stage of a merged replica, the other members' stages at its position
+        self._members = {s: [replicas[r].stages[i] for r in group[1:]]
+                         for group in self._groups if len(group) > 1
+                         for i, s in enumerate(replicas[group[0]].stages)}
+        self._replicas = tuple(replicas[group[0]] for group in self._groups)
+        self._widths = tuple(len(group) for group in self._groups)  # members per replica
+        self._counts = tuple(replicas[group[0]].microbatches for group in self._groups)
+        self._merged = {s for group, width in zip(self._groups, self._widths, strict=True)
+                        if width > 1 for s in replicas[group[0]].stages}
+        self.meshes = self._meshes
+        self._mover = _Mover({s: m for s, m in self._meshes.items()
+                              if s in {x for r in self._replicas for x in r.stages}},
+                             self._merged)
         self._ready: _Prepared | None = None
         self._orders: dict[int, list[tuple[Program, int]]] = {}  # per replica
+        self._syncs: dict[tuple[int, int], Program] = {}  # (merged replica, stage) -> its sync
+        self._moved_last = 0  # the bytes the last call's transfers delivered
         # In the first call: per (stage, program name), the most bytes the driver held on a
         # device of the stage beside the program's arguments when it ran; and the driver's
         # containers of arrays to count (set per call).
@@ -296,7 +396,9 @@ class PipelinedStep:
 
     def _prepare(self, state: Any, parts: Sequence[Any]) -> _Prepared:
         plan = self.plan
-        split = split_step(self._step, state, parts[0])
+        # traced on shapes alone: a jaxpr traced on arrays placed on a mesh carries that mesh,
+        # and a merged replica's programs run on another
+        split = split_step(self._step, jax.tree.map(_bare, state), parts[0])
         kinds = (reduction_kinds(self._step, state, parts[0], parts[1], split)
                  if len(parts) > 1 else tuple("mean" for _ in split.cut_avals))
         labels, layer_order, stacks, rerun = _labels(self._step, state, parts[0])
@@ -318,6 +420,10 @@ class PipelinedStep:
                                                self._meshes[st.index], "state")),
                 jax.tree.leaves(leaf_shardings(parts[0], layout.batch_specs,
                                                self._meshes[st.index], "batch")))
+        for s in self._merged:  # a merged replica's microbatch: the members' joined
+            state_sh, batch_sh = shardings[s]
+            shardings[s] = (state_sh, [NamedSharding(x.mesh, P(_joined_axis(x.spec), *x.spec[1:]))
+                                       for x in batch_sh])
         rows = _row_split(split, state, stacks, virtual[0], shardings)
         first, handed, cut_runs = gradient_programs(split, labels, virtual[0], n_state, stacks,
                                                     remat, rerun, rows, pins=pins)
@@ -327,6 +433,8 @@ class PipelinedStep:
                                                 rerun, rows, cut_runs, pins)
             tasks.append(more)
             cut_vars.append(handed)
+        tasks = [[_spread(t, self._meshes[t.stage]) for t in ts] if width > 1 else ts
+                 for ts, width in zip(tasks, self._widths, strict=True)]
         cut_rows = RowSplit(len(split.cut_avals), cut_runs)
         if rows.runs or cut_runs:  # the update over the pieces (rows.py)
             update_jaxpr = split_rows(
@@ -480,7 +588,9 @@ class PipelinedStep:
         clocked = timer.steps > 0 and len(timer.step_times_s) == timer.steps - 1 and timer.timing
         if clocked:
             self._stage_busy = {}
+        self._mover.moved_bytes = 0
         out, done = timer.run(lambda: self._call(state, batch))
+        self._moved_last = self._mover.moved_bytes
         # The driver's containers (placed copies, gradient sums, the update's values) are the
         # step's: drop them, or the device holds them until the next step.
         self._holdings = []
@@ -489,6 +599,11 @@ class PipelinedStep:
             for program in figures["programs"]:
                 program["beside_bytes"] = self._beside.get(
                     (program["stage"], program["name"]), 0)
+            # A merged replica's program runs on every member's devices: listed per member
+            # stage too, ``same_as`` the stage it was compiled for (counted once in totals).
+            figures["programs"] += [{**program, "stage": member, "same_as": program["stage"]}
+                                    for program in figures["programs"]
+                                    for member in self._members.get(program["stage"], ())]
             self.plan = dataclasses.replace(self.plan, compiled=figures)
             self._compiled = None
             self._holdings = []
@@ -500,6 +615,8 @@ class PipelinedStep:
                     measured["step_time_s"] = statistics.median(timer.step_times_s[:-1])
                     measured["steps"] -= 1
                 measured["stage_time_s"] = {str(st): t for st, t in sorted(busy.items())}
+                # what the step's transfers between sub-meshes delivered (batch included)
+                measured["moved_bytes"] = self._moved_last
                 # what each device holds after the step (the state it returned, chiefly)
                 measured.update(device_bytes(
                     d for st in self.plan.stages for d in st.mesh.device_ids))
@@ -507,7 +624,7 @@ class PipelinedStep:
         return out
 
     def _call(self, state: Any, batch: Any) -> Any:
-        total = sum(self._counts)
+        total = sum(c * w for c, w in zip(self._counts, self._widths, strict=True))
         parts = split_batch(batch, total, size=self.plan.microbatch_size or None)
         if self._ready is None:
             self._ready = self._prepare(state, parts)
@@ -517,15 +634,19 @@ class PipelinedStep:
         sums: list[Any] = [None] * len(split.cut_avals)
         self._holdings = [lambda: list(placed.values()), lambda: sums]
         first = 0
-        for r, count in enumerate(self._counts):
-            local, at = self._run_replica(r, ready, placed, parts[first:first + count],
+        for r, (count, width) in enumerate(zip(self._counts, self._widths, strict=True)):
+            mine = parts[first:first + count * width]
+            if width > 1:  # microbatch j of a merged replica: its members' j-th, joined
+                mine = [jax.tree.map(_joined, *mine[j * width:(j + 1) * width])
+                        for j in range(count)]
+            local, at = self._run_replica(r, ready, placed, mine,
                                           {v: i for i, v in enumerate(ready.cut_vars[r])})
             for i, x in enumerate(local):
                 if r:
                     x = mover.move(x, split.cut_avals[i], at[i], ready.cut_at[i])
                 if x is not None:
                     sums[i] = x if sums[i] is None else sums[i] + x
-            first += count
+            first += count * width
         if total > 1:  # the means, one program per stage holding sums
             for stage in set(ready.cut_at):
                 idx = [i for i, (x, at) in enumerate(zip(sums, ready.cut_at, strict=True))
@@ -650,7 +771,10 @@ class PipelinedStep:
             s = task.stage
             here = mover.here[s]
             if here and (s, j) not in batches and any(k == "batch" for k, _ in task.inputs):
-                batches[s, j] = jax.device_put(jax.tree.leaves(parts[j]), ready.shardings[s][1])
+                leaves = jax.tree.leaves(parts[j])
+                mover.moved_bytes += sum(received(x, sh) for x, sh in
+                                         zip(leaves, ready.shardings[s][1], strict=True))
+                batches[s, j] = jax.device_put(leaves, ready.shardings[s][1])
             args = [placed[s, what] if kind == "state" else
                     (batches[s, j][what] if here else None) if kind == "batch" else
                     values.get(what, j, s, task.key) for kind, what in task.inputs]
@@ -685,9 +809,20 @@ class PipelinedStep:
             (stage, x), rest = parts[0], parts[1:]
             at[i] = stage
             for s, y in rest:  # None where the sum's stage is another process's
-                y = mover.move(y, ready.split.cut_avals[i], s, at[i])
+                y = mover.move(y, ready.split.cut_avals[i], s, at[i], mover.spread(at[i]))
                 x = y if x is None else x + y
             local[i] = x
+        if self._widths[r] > 1:  # the members' sums meet: one all-reduce per stage
+            for stage in sorted(set(at)):
+                idx = [i for i, s in enumerate(at) if s == stage and local[i] is not None]
+                if (r, stage) not in self._syncs:
+                    self._syncs[r, stage] = _sync(
+                        stage, [local[i] for i in idx],
+                        [ready.split.cut_avals[i] for i in idx], self._widths[r])
+                reduced = self._run(self._syncs[r, stage], f"sync {stage}",
+                                    [[local[i] for i in idx]])
+                for i, x in zip(idx, reduced, strict=True):
+                    local[i] = x
         return local, at
 
 
@@ -752,6 +887,19 @@ def _divided(values: list[Any], count: int) -> list[Any]:
     return [(x / count).astype(x.dtype) for x in values]
 
 
+def _bare(x: Any) -> Any:
+    """``x``'s shape and dtype, without its placement."""
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype if hasattr(x, "dtype") else np.result_type(x),
+                                weak_type=bool(getattr(x, "weak_type", False)))
+
+
+def _joined(*xs: Any) -> Any:
+    """Leaves of several microbatches as one, joined along the samples (host arrays stay on
+    the host until placed)."""
+    return (np.concatenate(xs) if all(isinstance(x, np.ndarray) for x in xs)
+            else jnp.concatenate(xs))
+
+
 def _sum(sums: list[Any], values: list[Any]) -> list[Any]:
     """One task's running sums plus its outputs of one more microbatch (one dispatch)."""
     return [a + b for a, b in zip(sums, values, strict=True)]
@@ -814,7 +962,8 @@ class _Values:
         """Value ``v`` of microbatch ``j`` for the task of ``order`` on stage ``at``."""
         if (v, j, at) not in self.copies:  # fetch it from where it was produced
             origin = self.source[v, j]
-            self._keep(v, j, at, self.mover.move(self.copies[v, j, origin], v.aval, origin, at))
+            self._keep(v, j, at, self.mover.move(self.copies[v, j, origin], v.aval, origin, at,
+                                                 self.mover.spread(at)))
             self.fetches[v, j] -= 1
             if not self.fetches[v, j] and not self.left[v, j, origin]:
                 self._drop(v, j, origin)

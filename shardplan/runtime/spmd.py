@@ -8,7 +8,7 @@ resharded between steps. Plan device ids index ``jax.devices()``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 from shardplan._traceback import api_boundary
 from shardplan.errors import PipelineError, PlanMismatchError, format_error
 from shardplan.plan import Plan
+from shardplan.plan.plan import ReplicaSpec
 from shardplan.runtime.constrain import constrained, parse_path, partition_spec
 from shardplan.runtime.verify import (
     MEASURE_STEPS,
@@ -30,7 +31,8 @@ from shardplan.runtime.verify import (
     device_bytes,
 )
 
-__all__ = ["PlannedStep", "apply_plan", "leaf_shardings", "stage_mesh", "state_shardings"]
+__all__ = ["REPLICA", "PlannedStep", "apply_plan", "identical_replicas", "leaf_shardings",
+           "runtime_meshes", "stacked_mesh", "stage_mesh", "state_shardings"]
 
 
 def stage_mesh(plan: Plan, index: int) -> jax.sharding.Mesh:
@@ -49,6 +51,58 @@ def stage_mesh(plan: Plan, index: int) -> jax.sharding.Mesh:
     grid = np.array([devices[i] for i in stage.mesh.device_ids]).reshape(stage.mesh.axis_sizes)
     return jax.sharding.Mesh(grid, stage.mesh.axis_names,
                              axis_types=(AxisType.Auto,) * len(stage.mesh.axis_names))
+
+
+REPLICA = "replica"
+"""The leading mesh axis of a merged replica's stage meshes: one entry per member replica."""
+
+
+def identical_replicas(plan: Plan, replicas: Sequence[ReplicaSpec],
+                       meshes: Mapping[int, jax.sharding.Mesh]) -> list[list[int]]:
+    """The replicas in groups that run as one: the same microbatch count and, stage by stage,
+    the same layers, remat, layout, device type and sub-mesh shape, all in one process (a
+    stage runs in one process). Groups in the order of their first member."""
+    def signature(r: int) -> tuple:
+        spec = replicas[r]
+        stages = tuple(plan.stages[s] for s in spec.stages)
+        processes = {d.process_index for s in spec.stages for d in meshes[s].devices.flat}
+        return (spec.microbatches, tuple(processes) if len(processes) == 1 else r,
+                tuple((st.layers, st.remat, st.layout, st.device_type, st.mesh.axis_names,
+                       st.mesh.axis_sizes) for st in stages))
+
+    if REPLICA in {name for m in meshes.values() for name in m.axis_names}:
+        return [[r] for r in range(len(replicas))]
+    groups: dict[tuple, list[int]] = {}
+    for r in range(len(replicas)):
+        groups.setdefault(signature(r), []).append(r)
+    return sorted(groups.values())
+
+
+def stacked_mesh(meshes: Sequence[jax.sharding.Mesh]) -> jax.sharding.Mesh:
+    """The members' sub-meshes of one stage as one mesh, :data:`REPLICA` first."""
+    first = meshes[0]
+    types = tuple(getattr(first, "axis_types", None)
+                  or (jax.sharding.AxisType.Auto,) * len(first.axis_names))
+    return jax.sharding.Mesh(np.stack([m.devices for m in meshes]),
+                             (REPLICA, *first.axis_names),
+                             axis_types=(jax.sharding.AxisType.Auto, *types))
+
+
+def runtime_meshes(plan: Plan, /) -> tuple[dict[int, jax.sharding.Mesh], list[list[int]]]:
+    """Per stage of ``plan``, the mesh its programs run on, and the replicas in groups that
+    run as one (:func:`identical_replicas`): a group's stages at one position share one mesh,
+    the members' sub-meshes stacked along :data:`REPLICA` (:func:`stacked_mesh`)."""
+    meshes = {s.index: stage_mesh(plan, s.index) for s in plan.stages}
+    replicas = plan.replicas or (
+        ReplicaSpec(tuple(s.index for s in plan.stages), plan.microbatches),)
+    groups = identical_replicas(plan, replicas, meshes)
+    for group in groups:
+        if len(group) > 1:
+            for i in range(len(replicas[group[0]].stages)):
+                stacked = stacked_mesh([meshes[replicas[r].stages[i]] for r in group])
+                for r in group:
+                    meshes[replicas[r].stages[i]] = stacked
+    return meshes, groups
 
 
 def leaf_shardings(tree: Any, specs: Any, mesh: jax.sharding.Mesh, what: str) -> Any:
@@ -194,7 +248,9 @@ def apply_plan(train_step: Callable[..., Any], plan: Plan, /, *, verify: bool = 
 def state_shardings(plan: Plan, state: Any, /) -> Any:
     """Per state leaf, where ``plan`` holds it between steps: the ``NamedSharding`` of its spec
     on the mesh of its stage (``plan.param_specs``; in a pipelined plan, the first stage of
-    replica 0 that holds it, so leaves sit on different sub-meshes).
+    replica 0 that holds it, so leaves sit on different sub-meshes; where replica 0 runs
+    merged with identical replicas, the stage's mesh over all of them, :func:`runtime_meshes`,
+    so that each holds its copy).
 
     A restored checkpoint placed so starts the planned step without moving anything (a
     pipelined step fetches each leaf from there to every other stage that reads it).
@@ -202,7 +258,7 @@ def state_shardings(plan: Plan, state: Any, /) -> Any:
     Raises:
       PlanMismatchError: a leaf the plan has no spec for.
     """
-    meshes: dict[int, jax.sharding.Mesh] = {}
+    meshes, _ = runtime_meshes(plan)
 
     def one(path: Any, leaf: Any) -> NamedSharding:
         key = jax.tree_util.keystr(path, simple=True, separator="/")
@@ -212,8 +268,6 @@ def state_shardings(plan: Plan, state: Any, /) -> Any:
                 value=getattr(leaf, "shape", None),
                 remedy="make the plan for this state and batch"))
         stage, spec = plan.param_specs[key]
-        if stage not in meshes:
-            meshes[stage] = stage_mesh(plan, stage)
         return NamedSharding(meshes[stage], partition_spec(spec))
 
     return jax.tree_util.tree_map_with_path(one, state)
