@@ -12,9 +12,10 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from test_pipeline_runtime import _budget_planned, _pipeline, _planned_for, _three_steps
+from test_pipeline_runtime import _budget_planned, _pipeline, _three_steps
 
 import models
+import shardplan as sp
 
 
 def _llama():
@@ -46,13 +47,16 @@ def _param_bytes(state, layers):
 
 @pytest.mark.parametrize("replicas", [2, 4])
 def test_identical_replicas_run_as_one_program_per_stage(replicas: int) -> None:
-    # `replicas` copies of a 2-stage Llama, one A100 per stage: every stage's programs run
+    # `replicas` copies of a 2-stage Llama on 8 A100s, one per stage: every stage's programs run
     # once over the members' devices; its gradient sums are all-reduced once per step (the
     # sync program's all-reduce carries the stage's parameter bytes: the gradients, plus the
     # loss), the transfers between sub-meshes carry only the boundary activations, their
     # cotangents and the batch, and each member's devices hold their own stage's state.
     config, state, step = _llama()
-    plan = _planned_for(None, step, state, config)
+    plan = sp.make_plan(step, jax.eval_shape(lambda: state),
+                        jax.eval_shape(lambda: models.example_batch(config, 16, seed=0)),
+                        cluster=sp.Cluster.local(types={"a100-80g": 8}),
+                        config=sp.PlanConfig(max_stages=1))  # its specs, for _pipeline
     groups = [[("a100-80g", (2 * r,), ("pre", "blocks.0")),
                ("a100-80g", (2 * r + 1,), ("blocks.1", "post"))] for r in range(replicas)]
     piped = _pipeline(plan, groups, 2, [8 // replicas] * replicas)
@@ -103,6 +107,9 @@ def test_the_planners_replicas_all_reduce_what_it_priced() -> None:
         if p["name"].startswith("sync") and "same_as" not in p:
             got = p["collectives"]["all-reduce"]["bytes"]
             assert np.isclose(got, priced[str(p["stage"])], rtol=0.01), (p["stage"], got, priced)
+    # the report shows the priced bytes next to the compiled ones, and what moved
+    report = run.plan.report()
+    assert "stage 0 (a100-80g x1) sync" in report and "moved between sub-meshes" in report
     live = run.plan.measured["live_bytes"]
     for st in run.plan.stages:
         resident = run.plan.solver["resident_bytes"][str(st.index)]

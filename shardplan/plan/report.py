@@ -157,6 +157,24 @@ def report_table(plan: Plan, /) -> tuple[list[str], list[list[str]]]:
             rows.append([stage_label(plan, st.index), bytes_cell(kept), "",
                          bytes_cell(max(found)) if found else "",
                          ratio_cell(kept, max(found) if found else None)])
+    # Across data-parallel replicas: the gradient bytes a device of each stage all-reduces per
+    # step as the stage planner priced them, against the compiled sync programs' all-reduce;
+    # and what the step's transfers between sub-meshes delivered.
+    sync: Any = plan.solver.get("sync_bytes", {})
+    moved = measured.get("moved_bytes")
+    if sync or moved is not None:
+        rows.append(["bytes per step: replicas' all-reduce per device, transfers in all"])
+        for st in plan.stages:
+            reduced = [int(p["collectives"]["all-reduce"]["bytes"])
+                       for p in programs.get(st.index, ()) if str(p["name"]).startswith("sync")
+                       and "all-reduce" in p["collectives"]]
+            if str(st.index) in sync or reduced:
+                priced = sync.get(str(st.index))
+                rows.append([f"{stage_label(plan, st.index)} sync", bytes_cell(priced),
+                             bytes_cell(sum(reduced)) if reduced else "-", "",
+                             ratio_cell(priced, sum(reduced) if reduced else None)])
+        if moved is not None:
+            rows.append(["moved between sub-meshes", "", "", bytes_cell(moved), ""])
     rows.append(["FLOPs per device per step"])
     for st in plan.stages:
         flops = (plan.predicted.stage_flops[st.index]
