@@ -159,10 +159,11 @@ def report_table(plan: Plan, /) -> tuple[list[str], list[list[str]]]:
                          ratio_cell(kept, max(found) if found else None)])
     # Across data-parallel replicas: the gradient bytes a device of each stage all-reduces per
     # step as the stage planner priced them, against the compiled sync programs' all-reduce;
-    # and what the step's transfers between sub-meshes delivered.
+    # and what the step's transfers between stages carried (priced: the boundary activations
+    # and their gradients) and its batch.
     sync: Any = plan.solver.get("sync_bytes", {})
     moved = measured.get("moved_bytes")
-    if sync or moved is not None:
+    if sync or moved is not None or "transfer_bytes" in plan.solver:
         rows.append(["bytes per step: replicas' all-reduce per device, transfers in all"])
         for st in plan.stages:
             reduced = [int(p["collectives"]["all-reduce"]["bytes"])
@@ -173,8 +174,12 @@ def report_table(plan: Plan, /) -> tuple[list[str], list[list[str]]]:
                 rows.append([f"{stage_label(plan, st.index)} sync", bytes_cell(priced),
                              bytes_cell(sum(reduced)) if reduced else "-", "",
                              ratio_cell(priced, sum(reduced) if reduced else None)])
-        if moved is not None:
-            rows.append(["moved between sub-meshes", "", "", bytes_cell(moved), ""])
+        sent: Any = plan.solver.get("transfer_bytes")
+        if moved is not None or sent is not None:
+            rows.append(["moved between stages", bytes_cell(sent), "", bytes_cell(moved),
+                         ratio_cell(sent, moved)])
+        if measured.get("batch_bytes") is not None:
+            rows.append(["batch placed", "", "", bytes_cell(measured["batch_bytes"]), ""])
     rows.append(["FLOPs per device per step"])
     for st in plan.stages:
         flops = (plan.predicted.stage_flops[st.index]

@@ -43,6 +43,7 @@ from shardplan.solver.pipeline import (
     Replica,
     Schedule,
     stage_sigma,
+    transfer_bytes,
 )
 from shardplan.solver.portfolio import PipelineChoice, plan_pipeline
 from shardplan.solver.simulate import simulate
@@ -401,6 +402,8 @@ def _pipeline_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, costs: 
         "states": stats.states,
         "resident_bytes": resident,
         "sync_bytes": sync_bytes,
+        # what the step's transfers between stages carry (activations forward, gradients back)
+        "transfer_bytes": math.ceil(transfer_bytes(problem, pp)),
         # the final pick (solver/portfolio.py): the search's plan or a baseline seed it did
         # not beat, with every candidate's closed-form and simulated step time
         "chosen": solution.source,

@@ -190,6 +190,7 @@ class _Mover:
         self.meshes = meshes
         self.merged = frozenset(merged)  # stages of merged replicas (REPLICA axis first)
         self.moved_bytes = 0  # bytes devices received from other devices (:func:`received`)
+        self.batch_bytes = 0  # and the batch's bytes they received
         self.multi = jax.process_count() > 1
         me = jax.process_index()
         self.here: dict[int, bool] = {}
@@ -379,7 +380,7 @@ class PipelinedStep:
         self._ready: _Prepared | None = None
         self._orders: dict[int, list[tuple[Program, int]]] = {}  # per replica
         self._syncs: dict[tuple[int, int], Program] = {}  # (merged replica, stage) -> its sync
-        self._moved_last = 0  # the bytes the last call's transfers delivered
+        self._moved_last = (0, 0)  # the bytes the last call's transfers and batch delivered
         # In the first call: per (stage, program name), the most bytes the driver held on a
         # device of the stage beside the program's arguments when it ran; and the driver's
         # containers of arrays to count (set per call).
@@ -588,9 +589,9 @@ class PipelinedStep:
         clocked = timer.steps > 0 and len(timer.step_times_s) == timer.steps - 1 and timer.timing
         if clocked:
             self._stage_busy = {}
-        self._mover.moved_bytes = 0
+        self._mover.moved_bytes = self._mover.batch_bytes = 0
         out, done = timer.run(lambda: self._call(state, batch))
-        self._moved_last = self._mover.moved_bytes
+        self._moved_last = (self._mover.moved_bytes, self._mover.batch_bytes)
         # The driver's containers (placed copies, gradient sums, the update's values) are the
         # step's: drop them, or the device holds them until the next step.
         self._holdings = []
@@ -615,8 +616,8 @@ class PipelinedStep:
                     measured["step_time_s"] = statistics.median(timer.step_times_s[:-1])
                     measured["steps"] -= 1
                 measured["stage_time_s"] = {str(st): t for st, t in sorted(busy.items())}
-                # what the step's transfers between sub-meshes delivered (batch included)
-                measured["moved_bytes"] = self._moved_last
+                # what the step's transfers between sub-meshes delivered, and its batch
+                measured["moved_bytes"], measured["batch_bytes"] = self._moved_last
                 # what each device holds after the step (the state it returned, chiefly)
                 measured.update(device_bytes(
                     d for st in self.plan.stages for d in st.mesh.device_ids))
@@ -772,7 +773,7 @@ class PipelinedStep:
             here = mover.here[s]
             if here and (s, j) not in batches and any(k == "batch" for k, _ in task.inputs):
                 leaves = jax.tree.leaves(parts[j])
-                mover.moved_bytes += sum(received(x, sh) for x, sh in
+                mover.batch_bytes += sum(received(x, sh) for x, sh in
                                          zip(leaves, ready.shardings[s][1], strict=True))
                 batches[s, j] = jax.device_put(leaves, ready.shardings[s][1])
             args = [placed[s, what] if kind == "state" else

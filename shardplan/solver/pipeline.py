@@ -135,6 +135,7 @@ __all__ = [
     "stage_work",
     "sync_link",
     "sync_s",
+    "transfer_bytes",
 ]
 
 # (Past 600 lines: the contract's dataclasses, the closed-form evaluator and its checks are
@@ -461,6 +462,23 @@ def stage_sigma(problem: PipelineProblem, stage: StagePlacement) -> float:
     """``sigma_{r,s}``: the gradient bytes one device of ``stage`` all-reduces."""
     return sum(problem.kinds[problem.layers[layer]].gradient_bytes / stage.devices
                for layer in stage.layers)
+
+
+def transfer_bytes(problem: PipelineProblem, plan: PipelinePlan) -> float:
+    """The bytes a step of a structurally valid plan sends between stages: per replica, per
+    hop (consecutive layers on different stages, in a microbatch's order), the boundary
+    activation forward and its gradient back, for each of its microbatches."""
+    v = plan.chunks if plan.schedule == "interleaved" else 1
+    mb = plan.microbatch_size
+    total = 0.0
+    for replica in plan.replicas:
+        stage_of = {x: i for i, st in enumerate(replica.stages) for x in st.layers}
+        order = _layer_order(replica.stages, v)
+        for a, b in itertools.pairwise(order):
+            if stage_of[a] != stage_of[b]:
+                boundary = problem.kinds[problem.layers[a]].boundary_bytes
+                total += 2 * boundary * mb * replica.microbatches
+    return total
 
 
 def sync_s(problem: PipelineProblem, plan: PipelinePlan) -> float:
