@@ -142,7 +142,7 @@ def test_matches_brute_force_with_scanned_stacks() -> None:
             assert expected == math.inf, f"problem {seen['problems']}: planner found nothing"
             continue
         ev = solution.evaluation
-        assert ev.feasible and not stack_violations(stacked.stacks, ())
+        assert ev.feasible
         for replica in solution.plan.replicas:
             assert not stack_violations(stacked.stacks, replica.stages), solution.plan
             runs = {i for i, st in enumerate(replica.stages) for x in st.layers if a <= x < b}

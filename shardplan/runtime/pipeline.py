@@ -26,8 +26,9 @@ and an update part) and :mod:`shardplan.runtime.partition` (both parts cut by st
   embedding's) is accumulated term by term on the stages that produce them
   (:attr:`~shardplan.runtime.partition.Program.terms`); the terms meet once per step, on the
   latest one's stage, not once per microbatch.
-* **Data parallelism.** Identical replicas (:func:`identical_replicas`: the same stages,
-  device type, sub-mesh and microbatch count, in one process) run as one: each stage's mesh is
+* **Data parallelism.** Identical replicas
+  (:func:`~shardplan.runtime.spmd.identical_replicas`: the same stages, device type, sub-mesh
+  and microbatch count, in one process) run as one: each stage's mesh is
   the members' sub-meshes stacked along a leading :data:`REPLICA` axis, a merged microbatch
   is the members' microbatches joined along the samples, and each gradient task runs under
   ``shard_map`` manual over that axis only (:func:`_spread`), so every member's devices run
@@ -74,7 +75,7 @@ import itertools
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,10 +186,8 @@ def placeholder(aval: Any, sharding: jax.sharding.Sharding) -> jax.Array:
 class _Mover:
     """Moves values between the stages' sub-meshes, in one process or across processes."""
 
-    def __init__(self, meshes: dict[int, jax.sharding.Mesh],
-                 merged: Collection[int] = ()) -> None:
+    def __init__(self, meshes: dict[int, jax.sharding.Mesh]) -> None:
         self.meshes = meshes
-        self.merged = frozenset(merged)  # stages of merged replicas (REPLICA axis first)
         self.moved_bytes = 0  # bytes devices received from other devices (:func:`received`)
         self.batch_bytes = 0  # and the batch's bytes they received
         self.multi = jax.process_count() > 1
@@ -211,8 +210,10 @@ class _Mover:
 
     def spread(self, stage: int) -> NamedSharding:
         """A gradient task's value on ``stage``: one slice per member replica along its
-        leading axis where the stage is a merged replica's, else replicated."""
-        return NamedSharding(self.meshes[stage], P(REPLICA) if stage in self.merged else P())
+        leading axis where the stage is a merged replica's (its mesh has :data:`REPLICA`),
+        else replicated."""
+        mesh = self.meshes[stage]
+        return NamedSharding(mesh, P(REPLICA) if REPLICA in mesh.axis_names else P())
 
     def move(self, x: Any, aval: Any, src: int, dst: int,
              sharding: NamedSharding | None = None) -> Any:
@@ -371,12 +372,8 @@ class PipelinedStep:
         self._replicas = tuple(replicas[group[0]] for group in self._groups)
         self._widths = tuple(len(group) for group in self._groups)  # members per replica
         self._counts = tuple(replicas[group[0]].microbatches for group in self._groups)
-        self._merged = {s for group, width in zip(self._groups, self._widths, strict=True)
-                        if width > 1 for s in replicas[group[0]].stages}
         self.meshes = self._meshes
-        self._mover = _Mover({s: m for s, m in self._meshes.items()
-                              if s in {x for r in self._replicas for x in r.stages}},
-                             self._merged)
+        self._mover = _Mover({s: self._meshes[s] for r in self._replicas for s in r.stages})
         self._ready: _Prepared | None = None
         self._orders: dict[int, list[tuple[Program, int]]] = {}  # per replica
         self._syncs: dict[tuple[int, int], Program] = {}  # (merged replica, stage) -> its sync
@@ -421,10 +418,11 @@ class PipelinedStep:
                                                self._meshes[st.index], "state")),
                 jax.tree.leaves(leaf_shardings(parts[0], layout.batch_specs,
                                                self._meshes[st.index], "batch")))
-        for s in self._merged:  # a merged replica's microbatch: the members' joined
-            state_sh, batch_sh = shardings[s]
-            shardings[s] = (state_sh, [NamedSharding(x.mesh, P(_joined_axis(x.spec), *x.spec[1:]))
-                                       for x in batch_sh])
+        for s, (state_sh, batch_sh) in shardings.items():
+            if REPLICA in self._meshes[s].axis_names:  # the members' microbatches, joined
+                shardings[s] = (state_sh, [NamedSharding(x.mesh, P(_joined_axis(x.spec),
+                                                                   *x.spec[1:]))
+                                           for x in batch_sh])
         rows = _row_split(split, state, stacks, virtual[0], shardings)
         first, handed, cut_runs = gradient_programs(split, labels, virtual[0], n_state, stacks,
                                                     remat, rerun, rows, pins=pins)

@@ -37,7 +37,7 @@ from jax.extend import core as jcore
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["RowSplit", "Runs", "assembled", "bind", "expressible", "split_rows"]
+__all__ = ["RowSplit", "Runs", "assembled", "bind", "expressible", "split_rows", "stacked_mesh"]
 
 Runs = tuple[tuple[int, int], ...]
 """The row ranges ``[a, b)`` of a stacked leaf, in row order, that lie on one stage each."""
@@ -284,6 +284,17 @@ def expressible(shardings: Sequence[Any], runs: Runs, rank: int) -> bool:
                     for m in meshes))
 
 
+def stacked_mesh(meshes: Sequence[Mesh], axis: str) -> Mesh:
+    """Alike meshes (one shape, one set of axis names) as one, a new leading ``axis`` (Auto)
+    with one entry per mesh: the stages of a stacked leaf's rows (:func:`assembled`), the
+    members of a merged replica (:func:`shardplan.runtime.spmd.runtime_meshes`)."""
+    first = meshes[0]
+    types = tuple(getattr(first, "axis_types", None)
+                  or (jax.sharding.AxisType.Auto,) * len(first.axis_names))
+    return Mesh(np.stack([m.devices for m in meshes]), (axis, *first.axis_names),
+                axis_types=(jax.sharding.AxisType.Auto, *types))
+
+
 def assembled(shape: Sequence[int], parts: Sequence[jax.Array]) -> jax.Array | None:
     """The pieces of a stacked leaf (in row order, each on its stage's sub-mesh) as one
     ``jax.Array`` over their devices, without copying; ``None`` where no ``NamedSharding``
@@ -292,12 +303,8 @@ def assembled(shape: Sequence[int], parts: Sequence[jax.Array]) -> jax.Array | N
     if not expressible([x.sharding for x in parts], runs, len(shape)):
         return None
     shardings = [cast(NamedSharding, x.sharding) for x in parts]
-    first = shardings[0].mesh
-    spec = _normal(shardings[0].spec, first, len(shape))
-    types = tuple(getattr(first, "axis_types", None)
-                  or (jax.sharding.AxisType.Auto,) * len(first.axis_names))
-    mesh = Mesh(np.stack([s.mesh.devices for s in shardings]), ("rows", *first.axis_names),
-                axis_types=(jax.sharding.AxisType.Auto, *types))
+    spec = _normal(shardings[0].spec, shardings[0].mesh, len(shape))
+    mesh = stacked_mesh([cast(Mesh, s.mesh) for s in shardings], "rows")
     sharding = NamedSharding(mesh, P("rows", *spec[1:]))
     shards = [shard.data for x in parts for shard in x.addressable_shards]
     return jax.make_array_from_single_device_arrays(tuple(shape), sharding, shards)

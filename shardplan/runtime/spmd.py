@@ -22,6 +22,7 @@ from shardplan.errors import PipelineError, PlanMismatchError, format_error
 from shardplan.plan import Plan
 from shardplan.plan.plan import ReplicaSpec
 from shardplan.runtime.constrain import constrained, parse_path, partition_spec
+from shardplan.runtime.rows import stacked_mesh
 from shardplan.runtime.verify import (
     MEASURE_STEPS,
     StepTimer,
@@ -32,7 +33,7 @@ from shardplan.runtime.verify import (
 )
 
 __all__ = ["REPLICA", "PlannedStep", "apply_plan", "identical_replicas", "leaf_shardings",
-           "runtime_meshes", "stacked_mesh", "stage_mesh", "state_shardings"]
+           "runtime_meshes", "stage_mesh", "state_shardings"]
 
 
 def stage_mesh(plan: Plan, index: int) -> jax.sharding.Mesh:
@@ -71,27 +72,18 @@ def identical_replicas(plan: Plan, replicas: Sequence[ReplicaSpec],
                        st.mesh.axis_sizes) for st in stages))
 
     if REPLICA in {name for m in meshes.values() for name in m.axis_names}:
-        return [[r] for r in range(len(replicas))]
+        return [[r] for r in range(len(replicas))]  # (the plan's meshes use the name: none)
     groups: dict[tuple, list[int]] = {}
     for r in range(len(replicas)):
         groups.setdefault(signature(r), []).append(r)
     return sorted(groups.values())
 
 
-def stacked_mesh(meshes: Sequence[jax.sharding.Mesh]) -> jax.sharding.Mesh:
-    """The members' sub-meshes of one stage as one mesh, :data:`REPLICA` first."""
-    first = meshes[0]
-    types = tuple(getattr(first, "axis_types", None)
-                  or (jax.sharding.AxisType.Auto,) * len(first.axis_names))
-    return jax.sharding.Mesh(np.stack([m.devices for m in meshes]),
-                             (REPLICA, *first.axis_names),
-                             axis_types=(jax.sharding.AxisType.Auto, *types))
-
-
 def runtime_meshes(plan: Plan, /) -> tuple[dict[int, jax.sharding.Mesh], list[list[int]]]:
     """Per stage of ``plan``, the mesh its programs run on, and the replicas in groups that
     run as one (:func:`identical_replicas`): a group's stages at one position share one mesh,
-    the members' sub-meshes stacked along :data:`REPLICA` (:func:`stacked_mesh`)."""
+    the members' sub-meshes stacked along :data:`REPLICA`
+    (:func:`~shardplan.runtime.rows.stacked_mesh`)."""
     meshes = {s.index: stage_mesh(plan, s.index) for s in plan.stages}
     replicas = plan.replicas or (
         ReplicaSpec(tuple(s.index for s in plan.stages), plan.microbatches),)
@@ -99,7 +91,7 @@ def runtime_meshes(plan: Plan, /) -> tuple[dict[int, jax.sharding.Mesh], list[li
     for group in groups:
         if len(group) > 1:
             for i in range(len(replicas[group[0]].stages)):
-                stacked = stacked_mesh([meshes[replicas[r].stages[i]] for r in group])
+                stacked = stacked_mesh([meshes[replicas[r].stages[i]] for r in group], REPLICA)
                 for r in group:
                     meshes[replicas[r].stages[i]] = stacked
     return meshes, groups

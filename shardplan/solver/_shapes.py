@@ -35,8 +35,14 @@ from shardplan.solver.pipeline import (
     stage_work,
 )
 
-__all__ = ["UNLIMITED", "Budget", "SearchTimeout", "Shape", "replica_shapes", "shape_dominates", "shape_of",
-           "uniform_shapes"]
+__all__ = ["UNLIMITED", "Budget", "SearchTimeout", "Shape", "replica_shapes", "shape_dominates",
+           "shape_of", "stack_edges", "uniform_shapes"]
+
+# (Past 600 lines: the backward and interleaved dynamic programs, the uniform shapes of the
+# quick phase and the most even legal cut of a scanned stack all build shapes from one
+# per-type table, _Types, whose sums must match the evaluator's bit for bit; they stay
+# together.)
+
 
 class SearchTimeout(Exception):
     """The search spent its budget (``PipelineProblem.work_limit`` or ``time_limit_s``)."""
