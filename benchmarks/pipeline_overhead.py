@@ -15,7 +15,19 @@ Two measurements, each printed and written to ``benchmarks/results/pipeline_over
    interleaved pairs (the order inside a pair alternates); reported: median per variant and the
    ratio of the medians.
 
-Usage: ``python benchmarks/pipeline_overhead.py [--repeats 30]``
+3. **Data-parallel replicas: bytes and step time against the previous runtime.** A 4-block
+   Llama as two replicas of two stages, (a) the planner's plan of two identical A100 replicas
+   (one program per stage, the gradients all-reduced inside it) and (b) an A100 and a V100
+   replica cutting the model at different layers (their sums exchanged, ``runtime/
+   exchange.py``). Per step: the bytes the transfers between stages moved and what the
+   replicas' synchronisation moved, priced (``plan.solver`` / ``exchange_bytes``) next to
+   measured (``plan.measured``) and compiled (the sync programs' all-reduce). The step time
+   against the runtime before this issue's data parallelism (``--baseline``, default
+   ``7240e12``: every replica's gradient sums sent to replica 0, which alone updated and
+   served the parameters), checked out with ``git worktree`` and run on the same plan files
+   in a subprocess, one after the other (the same number of steps, medians and their ratio).
+
+Usage: ``python benchmarks/pipeline_overhead.py [--repeats 30] [--baseline REV]``
 """
 
 from __future__ import annotations
@@ -24,7 +36,9 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -146,17 +160,124 @@ def spmd_vs_pipeline(repeats: int) -> dict[str, Any]:
     print(f"one-stage plan of gpt-tiny on 8 devices: SPMD path {med['spmd'] * 1e3:.1f} ms, "
           f"pipeline executor {med['pipeline'] * 1e3:.1f} ms: ratio {ratio:.2f}")
     return {"median_s": med, "ratio_of_medians": ratio,
-            "programs": {"spmd": 1, "pipeline": 2 + len(piped._ready.update)
+            "programs": {"spmd": 1, "pipeline": 2 + len(piped._ready.update[0])
                          if piped._ready else None}}
+
+
+BASELINE = "7240e12"
+"""The runtime before identical replicas ran as one and replicas that differ exchanged their
+sums: every replica's gradient sums went to replica 0, which alone updated the state."""
+
+
+def _llama4() -> tuple[Any, Any, Callable[..., Any], Any]:
+    config = models.load_model_config("llama-tiny", overrides={"n_layers": 4})
+    graphdef, state = models.init_train_state(config, seed=0)
+    return config, state, models.make_train_step(graphdef), models.example_batch(
+        config, 16, seed=0)
+
+
+def time_plan(path: Path, repeats: int) -> dict[str, Any]:
+    """The median step of the plan at ``path`` on the 4-block Llama (whatever ``shardplan``
+    this process imports: the baseline's, in its subprocess), and its measured figures."""
+    _, state, step, batch = _llama4()
+    run = sp.apply_plan(step, sp.load_plan(path))
+    median = _median_step(run, state, batch, repeats)
+    measured = dict(getattr(run, "plan", None).measured or {})
+    return {"median_s": median, "measured": measured, "shardplan": sp.__file__}
+
+
+def _replica_cases() -> dict[str, Any]:
+    """The two plans of measurement 3 and what the planner prices for each."""
+    from test_pipeline_runtime import _budget_planned
+    from test_replica_sync import _priced_exchange
+
+    config, state, step, plan, _ = _budget_planned("llama-tiny", 16, 0.6)
+    assert len(plan.replicas) == 2 and len(plan.stages) == 4, plan.summary()
+    cluster = sp.Cluster.local(types={"a100-80g": 4, "v100-32g": 4})
+    batch = models.example_batch(config, 16, seed=0)
+    groups = [[("a100-80g", (0, 1), ("pre", "blocks.0")),
+               ("a100-80g", (2, 3), ("blocks.1", "blocks.2", "blocks.3", "post"))],
+              [("v100-32g", (4,), ("pre", "blocks.0", "blocks.1", "blocks.2")),
+               ("v100-32g", (5,), ("blocks.3", "post"))]]
+    one = sp.make_plan(step, jax.eval_shape(lambda: state), jax.eval_shape(lambda: batch),
+                       cluster=cluster, config=sp.PlanConfig(max_stages=1))
+    differ = _pipeline(one, groups, 1, [10, 6])
+    priced = _priced_exchange(step, state, batch, cluster, groups, [10, 6], 1)
+    boundary = config.max_seq_len * config.d_model * 4  # one sample's activation, fp32
+    return {
+        "identical": (plan, {"transfer_bytes": plan.solver["transfer_bytes"],
+                             "sync_bytes_per_device": dict(plan.solver["sync_bytes"])}),
+        # (the A100 stages run a one-sample microbatch whole on both devices: both receive)
+        "differ": (differ, {"transfer_bytes": (10 * 2 + 6) * 2 * boundary,
+                            "exchange_bytes": sum(priced.values())}),
+    }
+
+
+def replicas_vs_baseline(repeats: int, baseline: str) -> dict[str, Any]:
+    root = Path(__file__).resolve().parents[1]
+    out: dict[str, Any] = {"baseline": baseline}
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "baseline"
+        subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", str(tree),
+                        baseline], check=True, capture_output=True)
+        try:
+            for name, (plan, priced) in _replica_cases().items():
+                path = Path(tmp) / f"{name}.json"
+                plan.save(path)
+                now = time_plan(path, repeats)
+                before = json.loads(subprocess.run(
+                    [sys.executable, __file__, "--time-plan", str(path),
+                     "--repeats", str(repeats)],
+                    env={**os.environ, "PYTHONPATH": str(tree)}, cwd=tree, check=True,
+                    capture_output=True, text=True).stdout.splitlines()[-1])
+                if not before["shardplan"].startswith(str(tree)):  # the baseline's own code
+                    raise RuntimeError(f"the baseline ran {before['shardplan']}")
+                measured = now["measured"]
+                entry = {
+                    "priced": priced,
+                    "measured": {k: measured.get(k) for k in
+                                 ("moved_bytes", "batch_bytes", "sync_moved_bytes")},
+                    "step_s": {"now": now["median_s"], "baseline": before["median_s"]},
+                    "ratio_of_medians": now["median_s"] / before["median_s"],
+                }
+                out[name] = entry
+                moved = measured.get("moved_bytes")
+                print(f"2 replicas x 2 stages, {name}: moved between stages "
+                      f"{moved} B (priced {priced['transfer_bytes']}), "
+                      + (f"exchange {sum(measured['sync_moved_bytes'].values())} B (priced "
+                         f"{priced['exchange_bytes']:.0f})" if "exchange_bytes" in priced
+                         else f"sync per device priced {priced['sync_bytes_per_device']}")
+                      + f"; step {now['median_s'] * 1e3:.1f} ms against "
+                      f"{before['median_s'] * 1e3:.1f} ms before ({baseline}): ratio "
+                      f"{entry['ratio_of_medians']:.2f}")
+        finally:
+            subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force",
+                            str(tree)], check=False, capture_output=True)
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--baseline", default=BASELINE,
+                        help="the git revision whose runtime measurement 3 compares against")
+    parser.add_argument("--time-plan", type=Path, help=argparse.SUPPRESS)  # the subprocess
+    parser.add_argument("--only-replicas", action="store_true",
+                        help="measurement 3 alone (merged into the results file)")
     args = parser.parse_args()
+    if args.time_plan:
+        print(json.dumps(time_plan(args.time_plan, args.repeats), default=str))
+        return
+    if args.only_replicas:
+        result = json.loads(args.out.read_text()) if args.out.exists() else {}
+        result["replicas"] = replicas_vs_baseline(args.repeats, args.baseline)
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out}")
+        return
     result = {"executor": executor_overhead(args.repeats),
               "one_stage": spmd_vs_pipeline(args.repeats),
+              "replicas": replicas_vs_baseline(args.repeats, args.baseline),
               "repeats": args.repeats, "jax": jax.__version__,
               "machine": f"{platform.machine()}, {os.cpu_count()} cores"}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -263,13 +263,13 @@ def test_clip_by_global_norm_across_stages() -> None:
     run = _three_steps(config, state, step, piped)
     norm = jax.jit(step)(state, models.example_batch(config, 16, seed=0))[1]["grad_norm"]
     assert float(norm) > 0.05
-    update = run._ready.update
+    update = run._ready.update[0]
     assert {p.stage for p in update} == {0, 1} and len(update) >= 3
     made = {v: p.stage for p in update for v in p.outputs}
     crossing = [v for p in update for kind, v in p.inputs
                 if kind == "value" and made[v] != p.stage]
     assert crossing and all(v.aval.shape == () for v in crossing)
-    homes = run._ready.home
+    homes = run._ready.home[0]
     assert homes.count(0) > 10 and homes.count(1) > 10
 
 
@@ -358,7 +358,7 @@ def test_a_linen_train_state_through_two_stages() -> None:
                         strict=True):
             np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64),
                                        rtol=RTOL, atol=ATOL)
-    assert {p.stage for p in run._ready.update} == {0, 1}
+    assert {p.stage for p in run._ready.update[0]} == {0, 1}
 
 
 @pytest.mark.parametrize("name", ["llama-tiny", "gpt-tiny"])

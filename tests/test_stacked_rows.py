@@ -109,7 +109,7 @@ def test_each_stage_holds_only_its_rows(scanned, cut: int) -> None:
     assert _stage_rows(run, ours) == want
     # the stacked gradients are never joined: no program outputs a whole stacked leaf
     whole = {tuple(np.shape(x)) for x in stacked}
-    for prog in (*run._ready.tasks[0], *run._ready.update):
+    for prog in (*run._ready.tasks[0], *run._ready.update[0]):
         assert not any(tuple(v.aval.shape) in whole for v in prog.outputs
                        if v.aval.shape and v.aval.shape[0] == 4), prog.key
     # Between stages only the residual stream (and its gradient) and scalars pass: the

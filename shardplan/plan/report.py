@@ -163,8 +163,9 @@ def report_table(plan: Plan, /) -> tuple[list[str], list[list[str]]]:
     # and their gradients) and its batch.
     sync: Any = plan.solver.get("sync_bytes", {})
     moved = measured.get("moved_bytes")
-    if sync or moved is not None or "transfer_bytes" in plan.solver:
-        rows.append(["bytes per step: replicas' all-reduce per device, transfers in all"])
+    if sync or moved is not None or "transfer_bytes" in plan.solver:  # (exchange: with sync)
+        rows.append(["bytes per step: replicas' all-reduce per device, exchange and "
+                     "transfers in all"])
         for st in plan.stages:
             reduced = [int(p["collectives"]["all-reduce"]["bytes"])
                        for p in programs.get(st.index, ()) if str(p["name"]).startswith("sync")
@@ -174,6 +175,16 @@ def report_table(plan: Plan, /) -> tuple[list[str], list[list[str]]]:
                 rows.append([f"{stage_label(plan, st.index)} sync", bytes_cell(priced),
                              bytes_cell(sum(reduced)) if reduced else "-", "",
                              ratio_cell(priced, sum(reduced) if reduced else None)])
+        # Between replicas that differ: what their gradient exchange brought each stage's
+        # devices, priced (runtime/exchange.py; solver.pipeline.exchange_bytes) and measured.
+        swapped: Any = plan.solver.get("exchange_bytes", {})
+        got: Any = measured.get("sync_moved_bytes", {})
+        for st in plan.stages:
+            key = str(st.index)
+            if key in swapped or key in got:
+                rows.append([f"{stage_label(plan, st.index)} exchange",
+                             bytes_cell(swapped.get(key)), "", bytes_cell(got.get(key)),
+                             ratio_cell(swapped.get(key), got.get(key))])
         sent: Any = plan.solver.get("transfer_bytes")
         if moved is not None or sent is not None:
             rows.append(["moved between stages", bytes_cell(sent), "", bytes_cell(moved),

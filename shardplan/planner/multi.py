@@ -42,6 +42,7 @@ from shardplan.solver.pipeline import (
     Remat,
     Replica,
     Schedule,
+    exchange_bytes,
     stage_sigma,
     transfer_bytes,
 )
@@ -381,6 +382,10 @@ def _pipeline_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, costs: 
         resident[str(index)] = math.ceil(sum(o.resident_bytes for o in options if o))
         if len(pp.replicas) > 1:  # what one device of the stage all-reduces across replicas
             sync_bytes[str(index)] = math.ceil(stage_sigma(problem, st))
+    # what the gradient exchange between replicas that differ brings each stage (the
+    # runtime's stage: a class of identical replicas runs on its first member's)
+    exchange = {str(replicas[r][i]): math.ceil(b)
+                for (r, i), b in exchange_bytes(problem, pp).items()}
     param_specs = _first_holders(graph, stages, replicas[0], layouts)
     slowest = max(range(len(pp.replicas)), key=lambda r: ev.replica_time_s[r])
     communication = ev.sync_s + sum(ev.hop_time_s[slowest])
@@ -402,6 +407,7 @@ def _pipeline_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, costs: 
         "states": stats.states,
         "resident_bytes": resident,
         "sync_bytes": sync_bytes,
+        "exchange_bytes": exchange,
         # what the step's transfers between stages carry (activations forward, gradients back)
         "transfer_bytes": math.ceil(transfer_bytes(problem, pp)),
         # the final pick (solver/portfolio.py): the search's plan or a baseline seed it did

@@ -35,8 +35,9 @@ microbatch in flight, waiting for the backward of the stage that would add it.
 
 Update part (:func:`update_programs`)
 -------------------------------------
-Every update equation runs on one stage of replica 0: the stage holding most of the bytes it
-reads (the gradients live where the backward produced them, a parameter where its layers run;
+Each replica runs the update on its own stages (:mod:`shardplan.runtime.exchange` gives every
+replica the totals). Every update equation runs on one stage of the replica: the stage holding
+most of the bytes it reads (the gradients live where the backward produced them, a parameter where its layers run;
 optimizer state adopts the stage of its first reader). A chain of equations stays on its stage;
 where it crosses stages (the partial sums of a global gradient norm meeting, the clip factor
 going back) the equations after the crossing form the next *level*. Programs are per (level,

@@ -20,7 +20,7 @@ and an update part) and :mod:`shardplan.runtime.partition` (both parts cut by st
   again the forward equations whose values XLA's fusion keeps out of memory, so that the
   forward hands on the buffers the memory model counts, not every jaxpr residual.
 * **Accumulation.** Each replica sums its microbatches' cut values (gradients, metrics) on the
-  devices that produced them; the sums meet where replica 0 produced them, and the mean-type
+  devices that produced them; the replicas' sums are all-reduced (below), and the mean-type
   ones are divided by the microbatch count (uneven replica shares weigh by microbatches). A
   gradient whose terms come from several stages (a tied embedding: the head's term and the
   embedding's) is accumulated term by term on the stages that produce them
@@ -38,13 +38,19 @@ and an update part) and :mod:`shardplan.runtime.partition` (both parts cut by st
   update then runs on the stacked mesh, so each member's devices update their own copy of the
   stage's layers. The transfers between stages carry each member's slice to the same
   member's next stage.
-* **Update.** The update runs per stage of replica 0 (the merged replica, where the replicas
-  are identical), on the parameters that stage holds; values crossing stages (a global
+* **Replicas that differ** (another device type or layer split; after the merge above, the
+  *parties*) all-reduce their sums between their stages
+  (:class:`~shardplan.runtime.exchange.Exchange`: a reduce-scatter and an all-gather over
+  ``jax.device_put``, each stage receiving ``2 (G - 1) / G`` of the bytes it holds, the
+  ring's share the stage planner prices), so every replica ends with the same totals.
+* **Update.** Every replica updates its own layers: the update is cut by each replica's own
+  stages (:func:`~shardplan.runtime.partition.update_programs`), each stage running the
+  equations on the parameters it holds; values crossing a replica's stages (a global
   gradient norm's partial sums, the clip factor, a step counter) are sent between them. The
   new state leaves stay on their home stages (a returned state is a pytree whose leaves live
-  on different sub-meshes); at the next step every stage of every other replica (one that
-  differs from replica 0: another device type or layer split) fetches the leaves it reads
-  from there, and sends its gradient sums there: a parameter server, still (issue 22).
+  on different sub-meshes): the step returns replica 0's, and every other replica keeps its
+  own copy, which its stages read at the next step when the state passed in is the one
+  returned. No replica's devices hold another's state (no parameter server).
 * **Processes.** Under ``jax.distributed`` every process runs this same driver: it runs the
   programs of the stages on its devices, and joins each transfer it sends or receives (through
   one device on each side: cross-process copies need equal device counts). A value of another
@@ -91,6 +97,7 @@ from shardplan.plan import Plan
 from shardplan.plan.plan import Layout, ReplicaSpec
 from shardplan.runtime.accumulate import StepSplit, reduction_kinds, split_batch, split_step
 from shardplan.runtime.constrain import Pins, parse_path
+from shardplan.runtime.exchange import Exchange
 from shardplan.runtime.partition import (
     Program,
     VirtualStages,
@@ -190,6 +197,10 @@ class _Mover:
         self.meshes = meshes
         self.moved_bytes = 0  # bytes devices received from other devices (:func:`received`)
         self.batch_bytes = 0  # and the batch's bytes they received
+        self.sync_bytes: dict[int, int] = {}  # per stage, what the replicas' exchange brought
+        # per stage, how its batch splits its samples (the leading dimension's spec entry,
+        # None where it does not) and one member's microbatch size (:meth:`landing`)
+        self.samples: dict[int, tuple[Any, int]] = {}
         self.multi = jax.process_count() > 1
         me = jax.process_index()
         self.here: dict[int, bool] = {}
@@ -208,6 +219,17 @@ class _Mover:
     def replicated(self, stage: int) -> NamedSharding:
         return NamedSharding(self.meshes[stage], P())
 
+    def landing(self, stage: int, aval: Any) -> NamedSharding:
+        """Where a gradient task's value of one member's ``aval`` lands on ``stage``: as
+        :meth:`spread`, its leading dimension split as the stage's batch is where it has the
+        microbatch's samples (each device receives its own samples' part, as the planner
+        prices a boundary activation, not the whole microbatch)."""
+        base = self.spread(stage)
+        entry, samples = self.samples.get(stage, (None, 0))
+        if entry is None or not aval.shape or aval.shape[0] != samples:
+            return base
+        return NamedSharding(base.mesh, P(entry))
+
     def spread(self, stage: int) -> NamedSharding:
         """A gradient task's value on ``stage``: one slice per member replica along its
         leading axis where the stage is a merged replica's (its mesh has :data:`REPLICA`),
@@ -216,12 +238,17 @@ class _Mover:
         return NamedSharding(mesh, P(REPLICA) if REPLICA in mesh.axis_names else P())
 
     def move(self, x: Any, aval: Any, src: int, dst: int,
-             sharding: NamedSharding | None = None) -> Any:
+             sharding: NamedSharding | None = None, *, sync: bool = False) -> Any:
         """``x`` (of stage ``src``; ``None`` when not here) on stage ``dst`` in ``sharding``
-        (default: replicated); ``None`` when ``dst`` is not here."""
+        (default: replicated); ``None`` when ``dst`` is not here. Counted in
+        :attr:`moved_bytes`, or with ``sync`` (the replicas' gradient exchange) in
+        :attr:`sync_bytes` for ``dst``."""
         sharding = sharding or self.replicated(dst)
         if x is not None:
-            self.moved_bytes += received(x, sharding)
+            if sync:
+                self.sync_bytes[dst] = self.sync_bytes.get(dst, 0) + received(x, sharding)
+            else:
+                self.moved_bytes += received(x, sharding)
         if not self.multi or (self.here[src] and self.here[dst]):
             return jax.device_put(x, sharding)
         if not (self.here[src] or self.here[dst]):
@@ -332,10 +359,12 @@ class _Prepared:
     kinds: tuple[str, ...]
     virtual: list[VirtualStages]
     tasks: list[list[Program]]  # per replica, its gradient tasks
-    update: list[Program]
-    where: list[Any]  # per step output, where it is (``update_programs``)
-    home: list[int]  # per state leaf, its stage
-    cut_at: list[int]  # per cut value, where replica 0 produces it
+    # per replica (each updates its own layers): its update programs, per step output where
+    # it is (``update_programs``), per state leaf its stage, per cut value where it is summed
+    update: list[list[Program]]
+    where: list[list[Any]]
+    home: list[list[int]]
+    cut_at: list[list[int]]
     shardings: dict[int, tuple[list[Any], list[Any]]]  # stage -> state, batch leaf shardings
     needs: dict[int, list[int]]  # stage -> the state leaves it reads
     state_avals: list[Any]
@@ -349,8 +378,11 @@ class PipelinedStep:
     step (the module docstring)."""
 
     def __init__(self, train_step: Callable[..., Any], plan: Plan, *, verify: bool = True,
-                 measure_steps: int = MEASURE_STEPS) -> None:
+                 measure_steps: int = MEASURE_STEPS,
+                 _evaluates: PipelinedStep | None = None) -> None:
         self._step = train_step
+        # An evaluator (:meth:`evaluator`): the step whose state it reads, where that put it.
+        self._parent = _evaluates
         self.plan = plan
         """The plan; once run, with XLA's figures per program (``compiled``) and, after the
         timed steps, measured step and per-stage times (``measured``)."""
@@ -377,7 +409,8 @@ class PipelinedStep:
         self._ready: _Prepared | None = None
         self._orders: dict[int, list[tuple[Program, int]]] = {}  # per replica
         self._syncs: dict[tuple[int, int], Program] = {}  # (merged replica, stage) -> its sync
-        self._moved_last = (0, 0)  # the bytes the last call's transfers and batch delivered
+        # the bytes the last call's transfers, batch and gradient exchange (per stage) delivered
+        self._moved_last: tuple[int, int, dict[int, int]] = (0, 0, {})
         # In the first call: per (stage, program name), the most bytes the driver held on a
         # device of the stage beside the program's arguments when it ran; and the driver's
         # containers of arrays to count (set per call).
@@ -385,10 +418,36 @@ class PipelinedStep:
         self._holdings: list[Callable[[], Any]] = []
         self._returned: list[Any] = []  # the internal state leaves the last call returned
         self._located: list[int] = []  # and their stages
+        # per replica after the first (one that differs: it keeps and updates its own copy),
+        # the internal state leaves its update made in the last call, and their stages
+        self._kept: dict[int, tuple[list[Any], list[int]]] = {}
+        self._party = {s: r for r, rep in enumerate(self._replicas) for s in rep.stages}
+        self._exchange: Exchange | None = None  # the replicas' gradient all-reduce
         self._user_returned: list[Any] = []  # the user's leaves it returned (rows.py)
         self.peak_microbatches: dict[int, int] = {}
         """After a call: per stage (index into ``plan.stages``), the most microbatches whose
         values (activations, residuals) the stage held at once."""
+
+    def evaluator(self, fn: Callable[[Any, Any], Any], /) -> PipelinedStep:
+        """``fn(state, batch) -> metrics`` (a forward pass: an evaluation loss) run through
+        this step's plan: cut by the plan's stages like the step's forward, run per
+        microbatch on the stages' devices, reading the state where this step keeps it (each
+        replica its own copy of the state this step last returned; nothing is gathered or
+        copied where it already lies), its metrics accumulated like the step's and returned
+        on the last stage. ``fn``'s metrics must be means over the batch's samples (a mean
+        loss); ``batch`` is one of the plan's batch size.
+
+        Every program is compiled and checked against its devices' memory before it runs,
+        and recorded in the evaluator's ``plan.compiled`` (with ``beside_bytes``, what the
+        driver held on the stage's devices beside it), as the step's are.
+
+        Example (``step`` a planned pipeline, ``loss(state, batch)`` a jitted mean loss)::
+
+            evaluate = step.evaluator(lambda state, batch: {"loss": loss(state, batch)})
+            val_loss = evaluate(state, val_batch)["loss"]
+        """
+        return PipelinedStep(fn, self.plan, verify=self._verify, measure_steps=0,
+                             _evaluates=self)
 
     # -- preparation ----------------------------------------------------------------------
 
@@ -396,9 +455,13 @@ class PipelinedStep:
         plan = self.plan
         # traced on shapes alone: a jaxpr traced on arrays placed on a mesh carries that mesh,
         # and a merged replica's programs run on another
-        split = split_step(self._step, jax.tree.map(_bare, state), parts[0])
+        split = split_step(self._step, jax.tree.map(_bare, state), parts[0],
+                           evaluation=self._parent is not None)
+        # (an evaluator's metrics are means by its contract: measuring it as the step's are
+        # would run it unsharded on the whole state)
         kinds = (reduction_kinds(self._step, state, parts[0], parts[1], split)
-                 if len(parts) > 1 else tuple("mean" for _ in split.cut_avals))
+                 if len(parts) > 1 and self._parent is None
+                 else tuple("mean" for _ in split.cut_avals))
         labels, layer_order, stacks, rerun = _labels(self._step, state, parts[0])
         n_state = len(jax.tree.leaves(state))
         chunks = plan.chunks if plan.schedule == "interleaved" else 1
@@ -423,6 +486,13 @@ class PipelinedStep:
                 shardings[s] = (state_sh, [NamedSharding(x.mesh, P(_joined_axis(x.spec),
                                                                    *x.spec[1:]))
                                            for x in batch_sh])
+        size = int(np.shape(jax.tree.leaves(parts[0])[0])[0])  # one member's microbatch
+        for s, (_, batch_sh) in shardings.items():
+            entry = next((x.spec[0] for x in batch_sh if len(x.spec)), None)
+            names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+            split_over = int(np.prod([self._meshes[s].shape[n] for n in names if n != REPLICA]))
+            self._mover.samples[s] = ((entry if names and size % split_over == 0 else None),
+                                      size)
         rows = _row_split(split, state, stacks, virtual[0], shardings)
         first, handed, cut_runs = gradient_programs(split, labels, virtual[0], n_state, stacks,
                                                     remat, rerun, rows, pins=pins)
@@ -446,26 +516,25 @@ class PipelinedStep:
                                         cut_avals=tuple(cut_rows.avals(split.cut_avals)))
             for s, (state_sh, batch_sh) in shardings.items():
                 shardings[s] = ([state_sh[j] for j, _ in rows.internal], batch_sh)
-        read_at: dict[int, int] = {}
-        cut_index = {v: i for i, v in enumerate(cut_vars[0])}
-        cut_at = [0] * len(cut_index)
-        for prog in sorted(tasks[0], key=lambda t: t.key):
-            for kind, j in prog.inputs:
-                if kind == "state":
-                    read_at.setdefault(j, prog.stage)
-            for v in prog.outputs:
-                if prog.terms.get(v, v) in cut_index:  # (a summed value: its latest term's)
-                    cut_at[cut_index[prog.terms.get(v, v)]] = prog.stage
-        update, where, home = update_programs(
-            split, read_at, cut_at, self._replicas[0].stages[0],
-            lambda s, j: shardings[s][0][j])
+        # Every replica updates its own layers: the update cut by its own stages.
+        update, where, home, cut_at = [], [], [], []
+        for r, (ts, handed) in enumerate(zip(tasks, cut_vars, strict=True)):
+            read_at, at = _read_and_cut_at(ts, handed)
+            programs, out_at, leaf_at = update_programs(
+                split, read_at, at, self._replicas[r].stages[0],
+                lambda s, j: shardings[s][0][j])
+            update.append(programs)
+            where.append(out_at)
+            home.append(leaf_at)
+            cut_at.append(at)
         needs: dict[int, set[int]] = {}
-        for prog in [*(t for ts in tasks for t in ts), *update]:
+        for prog in [*(t for ts in tasks for t in ts), *(u for us in update for u in us)]:
             needs.setdefault(prog.stage, set()).update(
                 j for kind, j in prog.inputs if kind == "state")
-        for w in where:
-            if w[0] == "state":
-                needs.setdefault(home[w[1]], set()).add(w[1])
+        for out_at, leaf_at in zip(where, home, strict=True):
+            for w in out_at:
+                if w[0] == "state":
+                    needs.setdefault(leaf_at[w[1]], set()).add(w[1])
         n_internal = len(rows.internal)
         return _Prepared(split, tuple(kinds[i] for i, _ in cut_rows.internal), virtual, tasks,
                          update, where, home, cut_at, shardings,
@@ -518,12 +587,16 @@ class PipelinedStep:
         """Every stage's copy of the state leaves it reads: a leaf the last call returned
         comes from its stage, a new one from where it is (in every process)."""
         here = self._mover.here
+        owner = self._owner()
         placed: dict[tuple[int, int], Any] = {}
         for s, js in ready.needs.items():
+            r = self._party[s]
             for j in js:
                 x, target = leaves[j], ready.shardings[s][0][j]
-                if j < len(self._returned) and x is self._returned[j]:
-                    src = self._located[j]
+                if j < len(owner._returned) and x is owner._returned[j]:
+                    # the leaf the last call returned: this replica's own copy of it
+                    x, src = ((owner._kept[r][0][j], owner._kept[r][1][j]) if r in owner._kept
+                              else (x, owner._located[j]))
                     if s != src:
                         placed[s, j] = self._mover.move(x if here[src] else None,
                                                         ready.state_avals[j], src, s, target)
@@ -536,6 +609,20 @@ class PipelinedStep:
                     placed[s, j] = jax.device_put(
                         jnp.array(x, copy=True) if isinstance(x, jax.Array) else x, target)
         return placed
+
+    def _owner(self) -> PipelinedStep:
+        """The step whose returned state this one's placement starts from: itself, or for an
+        evaluator the step it evaluates (whose internal leaves it checks are its own)."""
+        parent = self._parent
+        if parent is None:
+            return self
+        if parent._ready is not None and self._ready is not None and (
+                parent._ready.rows != self._ready.rows or parent._groups != self._groups):
+            raise PipelineError(format_error(
+                "The evaluation holds the state in other pieces than the train step does.",
+                where="PipelinedStep.evaluator", value=(parent._ready.rows, self._ready.rows),
+                remedy="report this with the plan"))
+        return parent
 
     @api_boundary
     def _run(self, prog: Program, name: str, args: list[Any]) -> Any:
@@ -588,8 +675,10 @@ class PipelinedStep:
         if clocked:
             self._stage_busy = {}
         self._mover.moved_bytes = self._mover.batch_bytes = 0
+        self._mover.sync_bytes = {}
         out, done = timer.run(lambda: self._call(state, batch))
-        self._moved_last = (self._mover.moved_bytes, self._mover.batch_bytes)
+        self._moved_last = (self._mover.moved_bytes, self._mover.batch_bytes,
+                            dict(self._mover.sync_bytes))
         # The driver's containers (placed copies, gradient sums, the update's values) are the
         # step's: drop them, or the device holds them until the next step.
         self._holdings = []
@@ -615,7 +704,9 @@ class PipelinedStep:
                     measured["steps"] -= 1
                 measured["stage_time_s"] = {str(st): t for st, t in sorted(busy.items())}
                 # what the step's transfers between sub-meshes delivered, and its batch
-                measured["moved_bytes"], measured["batch_bytes"] = self._moved_last
+                measured["moved_bytes"], measured["batch_bytes"], sync = self._moved_last
+                if sync:  # what the replicas' gradient exchange brought each stage
+                    measured["sync_moved_bytes"] = {str(st): b for st, b in sorted(sync.items())}
                 # what each device holds after the step (the state it returned, chiefly)
                 measured.update(device_bytes(
                     d for st in self.plan.stages for d in st.mesh.device_ids))
@@ -630,44 +721,71 @@ class PipelinedStep:
         ready = self._ready
         split, mover = ready.split, self._mover
         placed = self._place(ready, self._internal(ready, jax.tree.leaves(state)))
-        sums: list[Any] = [None] * len(split.cut_avals)
+        sums: list[list[Any]] = []  # per replica, per cut value: its sum on its stage
         self._holdings = [lambda: list(placed.values()), lambda: sums]
+        if (parent := self._parent) is not None:  # beside an evaluation: the step's state
+            self._holdings.append(
+                lambda: [parent._returned, [kept for kept, _ in parent._kept.values()]])
         first = 0
         for r, (count, width) in enumerate(zip(self._counts, self._widths, strict=True)):
             mine = parts[first:first + count * width]
             if width > 1:  # microbatch j of a merged replica: its members' j-th, joined
                 mine = [jax.tree.map(_joined, *mine[j * width:(j + 1) * width])
                         for j in range(count)]
-            local, at = self._run_replica(r, ready, placed, mine,
-                                          {v: i for i, v in enumerate(ready.cut_vars[r])})
-            for i, x in enumerate(local):
-                if r:
-                    x = mover.move(x, split.cut_avals[i], at[i], ready.cut_at[i])
-                if x is not None:
-                    sums[i] = x if sums[i] is None else sums[i] + x
+            local, _ = self._run_replica(r, ready, placed, mine,
+                                         {v: i for i, v in enumerate(ready.cut_vars[r])})
+            sums.append(local)
             first += count * width
+        if len(sums) > 1:  # replicas that differ: every one gets the totals (exchange.py)
+            if self._exchange is None:
+                self._exchange = Exchange(
+                    ready.cut_at, split.cut_avals,
+                    lambda r, i: (sums[r][i].sharding if sums[r][i] is not None
+                                  else mover.replicated(ready.cut_at[r][i])), self._meshes)
+            sums[:] = self._exchange.run(
+                sums, self._run,
+                lambda x, aval, src, dst, sh: mover.move(x, aval, src, dst, sh, sync=True),
+                lambda s: mover.here[s])
         if total > 1:  # the means, one program per stage holding sums
-            for stage in set(ready.cut_at):
-                idx = [i for i, (x, at) in enumerate(zip(sums, ready.cut_at, strict=True))
-                       if at == stage and x is not None and ready.kinds[i] == "mean"]
-                if idx:
-                    for i, x in zip(idx, _divided([sums[i] for i in idx], total), strict=True):
-                        sums[i] = x
-        out = self._update(ready, placed, sums)
+            for local, cut_at in zip(sums, ready.cut_at, strict=True):
+                for stage in set(cut_at):
+                    idx = [i for i, (x, at) in enumerate(zip(local, cut_at, strict=True))
+                           if at == stage and x is not None and ready.kinds[i] == "mean"]
+                    if idx:
+                        for i, x in zip(idx, _divided([local[i] for i in idx], total),
+                                        strict=True):
+                            local[i] = x
+        if self._parent is not None:  # an evaluation: its metrics, nothing updated
+            out = jax.tree.unflatten(split.out_tree, self._update(ready, 0, placed, sums[0],
+                                                                  returns_state=False)[2])
+            if mover.multi:
+                _all_processes_at(f"shardplan-pipeline-step-{next(_STEPS_ENDED)}")
+            return out
+        for r in range(1, len(sums)):  # each replica updates its own copy
+            self._kept[r] = self._update(ready, r, placed, sums[r])[:2]
+        leaves, located, outputs = self._update(ready, 0, placed, sums[0])
+        self._returned, self._located = leaves, located
+        users = self._users(ready, leaves)
+        self._user_returned = users
+        out = jax.tree.unflatten(split.out_tree, [*users, *outputs])
         if mover.multi:
             _all_processes_at(f"shardplan-pipeline-step-{next(_STEPS_ENDED)}")
         return out
 
-    def _update(self, ready: _Prepared, placed: dict[tuple[int, int], Any],
-                cut: list[Any]) -> Any:
-        """The update programs, level by level; the step's outputs."""
+    def _update(self, ready: _Prepared, r: int, placed: dict[tuple[int, int], Any],
+                cut: list[Any], *, returns_state: bool = True,
+                ) -> tuple[list[Any], list[int], list[Any]]:
+        """Replica ``r``'s update programs, level by level, on its totals ``cut``: the new
+        internal state leaves, their stages, and the step's other outputs (an evaluation
+        returns no state: all its outputs are the others)."""
         mover, split = self._mover, ready.split
         jaxpr = split.update.jaxpr
-        n_state = len(ready.state_avals)
+        n_state = len(ready.state_avals) if returns_state else 0
+        cut_at, home = ready.cut_at[r], ready.home[r]
         store: dict[tuple[Any, int], Any] = {(("cut", i), s): x
-                                             for i, (s, x) in enumerate(zip(ready.cut_at, cut,
+                                             for i, (s, x) in enumerate(zip(cut_at, cut,
                                                                             strict=True))}
-        made: dict[Any, int] = {("cut", i): s for i, s in enumerate(ready.cut_at)}
+        made: dict[Any, int] = {("cut", i): s for i, s in enumerate(cut_at)}
         avals = {("cut", i): a for i, a in enumerate(split.cut_avals)}
         self._holdings.append(lambda: list(store.values()))
 
@@ -677,7 +795,7 @@ class PipelinedStep:
                 store[key, dst] = mover.move(store[key, src], aval, src, dst)
             return store[key, dst]
 
-        for prog in ready.update:
+        for prog in ready.update[r]:
             args = []
             for kind, what in prog.inputs:
                 if kind == "state":
@@ -692,7 +810,7 @@ class PipelinedStep:
                 store[v, prog.stage], made[v] = x, prog.stage
         leaves: list[Any] = []
         located: list[int] = []
-        for n, w in enumerate(ready.where):
+        for n, w in enumerate(ready.where[r]):
             if w[0] == "literal":
                 leaves.append(np.asarray(w[1]))
                 located.append(-1)
@@ -700,32 +818,30 @@ class PipelinedStep:
             if w[0] == "value":
                 x, s = store[w[1], w[2]], w[2]
             elif w[0] == "state":
-                x, s = placed[ready.home[w[1]], w[1]], ready.home[w[1]]
+                x, s = placed[home[w[1]], w[1]], home[w[1]]
             else:
-                x, s = cut[w[1]], ready.cut_at[w[1]]
+                x, s = cut[w[1]], cut_at[w[1]]
             if x is None:
                 aval = jaxpr.outvars[n].aval
                 x = placeholder(aval, ready.shardings[s][0][n]
                                  if n < n_state and w[0] != "cut" else mover.replicated(s))
             leaves.append(x)
             located.append(s)
-        self._returned, self._located = leaves[:n_state], located[:n_state]
-        users = self._users(ready, leaves[:n_state])
-        self._user_returned = users
-        return jax.tree.unflatten(split.out_tree, [*users, *leaves[n_state:]])
+        return leaves[:n_state], located[:n_state], leaves[n_state:]
 
     def _internal(self, ready: _Prepared, leaves: list[Any]) -> list[Any]:
         """The internal state leaves of the user's (a stacked leaf held as pieces: the pieces
         the last call returned, else its rows sliced)."""
         if not ready.rows.runs:
             return leaves
+        owner = self._owner()
         out = []
         for n, (j, r) in enumerate(ready.rows.internal):
             x = leaves[j]
             if r is None:
                 out.append(x)
-            elif j < len(self._user_returned) and x is self._user_returned[j]:
-                out.append(self._returned[n])
+            elif j < len(owner._user_returned) and x is owner._user_returned[j]:
+                out.append(owner._returned[n])
             else:
                 out.append(x[r[0]:r[1]])
         return out
@@ -823,6 +939,23 @@ class PipelinedStep:
                 for i, x in zip(idx, reduced, strict=True):
                     local[i] = x
         return local, at
+
+
+def _read_and_cut_at(tasks: Sequence[Program], cut_vars: Sequence[Any],
+                     ) -> tuple[dict[int, int], list[int]]:
+    """A replica's state leaves -> the stage of its first task reading them, and per cut value
+    the stage its sum is on (a value summed over several stages' terms: its latest term's)."""
+    read_at: dict[int, int] = {}
+    cut_index = {v: i for i, v in enumerate(cut_vars)}
+    cut_at = [0] * len(cut_index)
+    for prog in sorted(tasks, key=lambda t: t.key):
+        for kind, j in prog.inputs:
+            if kind == "state":
+                read_at.setdefault(j, prog.stage)
+        for v in prog.outputs:
+            if prog.terms.get(v, v) in cut_index:
+                cut_at[cut_index[prog.terms.get(v, v)]] = prog.stage
+    return read_at, cut_at
 
 
 def _row_split(split: StepSplit, state: Any,
@@ -962,7 +1095,7 @@ class _Values:
         if (v, j, at) not in self.copies:  # fetch it from where it was produced
             origin = self.source[v, j]
             self._keep(v, j, at, self.mover.move(self.copies[v, j, origin], v.aval, origin, at,
-                                                 self.mover.spread(at)))
+                                                 self.mover.landing(at, v.aval)))
             self.fetches[v, j] -= 1
             if not self.fetches[v, j] and not self.left[v, j, origin]:
                 self._drop(v, j, origin)

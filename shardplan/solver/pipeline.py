@@ -122,10 +122,12 @@ __all__ = [
     "StagePlacement",
     "check_pipeline",
     "evaluate_pipeline",
+    "exchange_bytes",
     "group_link",
     "in_flight",
     "looped_work",
     "period_1f1b",
+    "replica_classes",
     "replica_time",
     "slowest_link",
     "stack_violations",
@@ -479,6 +481,40 @@ def transfer_bytes(problem: PipelineProblem, plan: PipelinePlan) -> float:
                 boundary = problem.kinds[problem.layers[a]].boundary_bytes
                 total += 2 * boundary * mb * replica.microbatches
     return total
+
+
+def replica_classes(plan: PipelinePlan) -> list[list[int]]:
+    """The replicas in classes of identical ones (equal stages and microbatch count), in order
+    of their first member. The runtime runs a class as one replica whose stages all-reduce
+    their gradients inside their programs, and the classes exchange their sums
+    (:func:`exchange_bytes`)."""
+    classes: dict[Replica, list[int]] = {}
+    for r, replica in enumerate(plan.replicas):
+        classes.setdefault(replica, []).append(r)
+    return list(classes.values())
+
+
+def exchange_bytes(problem: PipelineProblem, plan: PipelinePlan,
+                   ) -> dict[tuple[int, int], float]:
+    """The bytes the gradient exchange between :func:`replica_classes` brings each stage per
+    step, keyed by (its class's first replica, stage position): with ``G`` classes, each
+    class's stage receives ``2 (G - 1) / G`` of its layers' gradient bytes (a reduce-scatter
+    and an all-gather, the ring's share), over all its devices (a class of ``W`` identical
+    replicas: over its members' devices together). Empty with one class.
+
+    Per device this is no more than the ring :func:`sync_s` prices over all ``R`` replicas:
+    with classes of ``W`` members each, the members' all-reduce (``2 (W - 1) / W`` of a
+    device's bytes) and the exchange over ``W`` times the devices (``2 (G - 1) / (G W)``)
+    add up to the ring's ``2 (R - 1) / R``; with classes of unequal sizes, to less."""
+    classes = replica_classes(plan)
+    g = len(classes)
+    if g < 2:
+        return {}
+    share = 2 * (g - 1) / g
+    return {(members[0], i): share * sum(problem.kinds[problem.layers[x]].gradient_bytes
+                                         for x in st.layers)
+            for members in classes
+            for i, st in enumerate(plan.replicas[members[0]].stages)}
 
 
 def sync_s(problem: PipelineProblem, plan: PipelinePlan) -> float:
