@@ -208,3 +208,60 @@ def test_two_processes_run_the_demo_config_as_the_unsharded_step(tmp_path) -> No
     for x, y in zip(jax.tree.leaves(restored.state), jax.tree.leaves(state), strict=True):
         np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64),
                                    rtol=1e-4, atol=1e-4)
+
+
+def test_evaluation_runs_through_a_plan_of_four_quarter_stages(tmp_path) -> None:
+    # gpt-tiny with 4 blocks cut into 4 stages of one block each (the first with the
+    # embedding, the last with the head), 2 microbatches: every evaluation runs the plan's
+    # forward on the stages' devices (nothing gathered), its loss equal to the unsharded
+    # forward's within 1e-5; beside each evaluation program a device holds its stage's state
+    # and nothing more; and sampling runs on the plan's CPU devices, saying why.
+    import models
+    from shardplan.data import abstract_batch, load_data
+    from shardplan.plan.plan import Layout, MeshSpec, ReplicaSpec, Stage
+    from shardplan.train.loop import _eval_metrics, _forward
+
+    four = ("--model.overrides.n_layers=4", "--cluster.local.types={cpu: 4}",
+            "--train.sample_tokens=4")
+    config = _config(tmp_path / "run", *four)
+    model_config = config.model.build()
+    graphdef, state = models.init_train_state(model_config, seed=config.train.seed,
+                                              optimizer=config.optimizer_transform())
+    step = models.make_train_step(graphdef)
+    cluster = config.cluster.build()
+    base = sp.make_plan(step, jax.eval_shape(lambda: state), abstract_batch(config.data),
+                        cluster=cluster, config=sp.PlanConfig(max_stages=1, pipeline=False))
+    replicated = {k: tuple(() for _ in spec) for k, (_, spec) in base.param_specs.items()}
+    whole = {k: tuple(() for _ in spec) for k, spec in base.batch_specs.items()}
+    parts = [("pre", "blocks.0"), ("blocks.1",), ("blocks.2",), ("blocks.3", "post")]
+    quarters = _plan_file(
+        base, tmp_path / "quarters.json", cluster,
+        stages=tuple(Stage(i, "cpu", MeshSpec(("inner",), (1,), (i,)), (*part, "shared"),
+                           "none", 0, "cpu:inner=1") for i, part in enumerate(parts)),
+        layouts={"cpu:inner=1": Layout(replicated, whole)},
+        param_specs={k: (0, spec) for k, spec in replicated.items()}, batch_specs={},
+        microbatches=2, microbatch_size=4, schedule="1f1b", replicas=(ReplicaSpec((0, 1, 2, 3),
+                                                                                  2),),
+        predicted=dataclasses.replace(base.predicted, memory_bytes=dict.fromkeys(range(4), 1)))
+    said: list[str] = []
+    result = train(_config(tmp_path / "run", *four, quarters), progress=False,
+                   print_fn=said.append)
+    assert len(result.plan.stages) == 4 and result.val_losses.keys() == {0, 3, 6}
+    # the last evaluation against the unsharded forward on the final state
+    dataset = load_data(config.data, vocab_size=model_config.vocab_size)
+    metrics = jax.jit(_eval_metrics(_forward(graphdef)))
+    host = jax.device_get(result.state)
+    want = np.mean([float(metrics(host, dataset.val_batch(i))["loss"])
+                    for i in range(config.data.val_batches)])
+    np.testing.assert_allclose(result.val_losses[STEPS], want, rtol=1e-5, atol=1e-5)
+    programs = result.evaluation.compiled["programs"]
+    assert {p["stage"] for p in programs} == {0, 1, 2, 3}
+    leaves = jax.tree_util.tree_flatten_with_path(result.state)[0]
+    for p in programs:  # beside a program: the stage's state (3 copies of its parameters)
+        owned = {d: 0 for d in range(4)}
+        for _, x in leaves:
+            for d in x.sharding.device_set:
+                owned[d.id] += x.nbytes
+        assert p["beside_bytes"] <= 1.02 * owned[p["stage"]], (p, owned)
+    assert any("sampling: the plan cuts the model into 4 stages" in line for line in said)
+    assert len(result.sample) > 0

@@ -118,7 +118,8 @@ def autodiff_phase(eqn: Any) -> str | None:
     return None
 
 
-def split_step(train_step: Callable[..., Any], state: Any, batch: Any, /) -> StepSplit:
+def split_step(train_step: Callable[..., Any], state: Any, batch: Any, /, *,
+               evaluation: bool = False) -> StepSplit:
     """Cuts ``train_step(state, batch)`` into its gradient and update parts, and checks that the
     update part does not change with the batch size (the step cut again at twice the batch).
 
@@ -128,6 +129,9 @@ def split_step(train_step: Callable[..., Any], state: Any, batch: Any, /) -> Ste
       state: the state pytree (arrays or ``ShapeDtypeStruct``s).
       batch: one *microbatch* (arrays or ``ShapeDtypeStruct``s): the parts are traced at its
         shapes.
+      evaluation: ``train_step`` is a forward pass (an evaluation: ``(state, batch) ->
+        metrics``), with no backward pass; its gradient part is everything that reads the
+        batch.
 
     Returns:
       The :class:`StepSplit`.
@@ -137,11 +141,12 @@ def split_step(train_step: Callable[..., Any], state: Any, batch: Any, /) -> Ste
         computed from the batch's shape alone (``jnp.ones_like(batch).sum()``), which one
         microbatch's program would get wrong.
     """
-    split = _split(train_step, state, batch)
+    split = _split(train_step, state, batch, evaluation=evaluation)
     doubled = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((2 * np.shape(x)[0], *np.shape(x)[1:]),
                                        np.result_type(getattr(x, "dtype", x))), batch)
-    if str(_split(train_step, state, doubled).update.jaxpr) != str(split.update.jaxpr):
+    if str(_split(train_step, state, doubled, evaluation=evaluation).update.jaxpr) != str(
+            split.update.jaxpr):
         raise PipelineError(format_error(
             "The train step's update (or a returned metric) depends on the batch size through "
             "a value computed from the batch's shape alone, which a microbatch's program would "
@@ -153,7 +158,8 @@ def split_step(train_step: Callable[..., Any], state: Any, batch: Any, /) -> Ste
     return split
 
 
-def _split(train_step: Callable[..., Any], state: Any, batch: Any, /) -> StepSplit:
+def _split(train_step: Callable[..., Any], state: Any, batch: Any, /, *,
+           evaluation: bool = False) -> StepSplit:
     """:func:`split_step` without the batch-size check."""
     closed, out_shape = jax.make_jaxpr(train_step, return_shape=True)(state, batch)
     out_tree = jax.tree.structure(out_shape)
@@ -180,7 +186,8 @@ def _split(train_step: Callable[..., Any], state: Any, batch: Any, /) -> StepSpl
         if phase is not None or reads_batch:
             batch_dep.update(e.outvars)
         part.append(where)
-    if "gradient" not in part or not any(autodiff_phase(e) == "backward" for e in eqns):
+    if "gradient" not in part or not (evaluation or any(autodiff_phase(e) == "backward"
+                                                        for e in eqns)):
         raise PipelineError(format_error(
             "The train step has no backward pass to cut into microbatches.",
             where=f"train step {getattr(train_step, '__name__', train_step)!r}",

@@ -199,6 +199,19 @@ class PlannedStep:
             self.plan = dataclasses.replace(self.plan, measured=measured)
         return out
 
+    def evaluator(self, fn: Callable[[Any, Any], Any], /) -> Callable[[Any, Any], Any]:
+        """``fn(state, batch) -> metrics`` (a forward pass: an evaluation loss) run on this
+        plan's mesh: one jitted program reading the state where this step keeps it, the
+        batch placed in the plan's batch layout (XLA propagates the plan's shardings from the
+        arguments; nothing is gathered onto one device)."""
+        jitted = jax.jit(fn)
+
+        def evaluate(state: Any, batch: Any) -> Any:
+            return jitted(state, _placed(batch, leaf_shardings(batch, self.plan.batch_specs,
+                                                               self.mesh, "batch")))
+
+        return evaluate
+
     def compiled(self, state: Any, batch: Any) -> tuple[jax.stages.Compiled, ...]:
         """The XLA executables this step runs (one per program)."""
         self._ensure(state, batch)

@@ -135,13 +135,17 @@ def _readers(flat: FlatGraph, consumers: list[list[int]], tensor: int) -> list[i
     return sorted(out)
 
 
-def _roles(phases: list[Phase], readers: dict[int, list[int]]) -> dict[int, Role]:
+def _roles(phases: list[Phase], readers: dict[int, list[int]],
+           first_arg: set[int]) -> dict[int, Role]:
+    # A function with no autodiff and no update (a forward pass: an evaluation loss, an
+    # inference step) reads its first argument's leaves as the parameters of its layers.
+    forward_only = set(phases) <= {"forward"}
     roles: dict[int, Role] = {}
     for t, ops in readers.items():
         seen = {phases[o] for o in ops}
         if not ops:
             roles[t] = "unused"
-        elif seen & {"forward", "recompute"} and "update" in seen:
+        elif (seen & {"forward", "recompute"} and "update" in seen) or (forward_only and t in first_arg):
             roles[t] = "parameter"
         elif seen == {"update"} or seen == {"update", "other"}:
             roles[t] = "optimizer_state"
@@ -267,7 +271,7 @@ def _build(flat: FlatGraph, phases: list[Phase], input_paths: dict[int, str],
         for t in op.inputs:
             consumers[t].append(i)
     readers = {t: _readers(flat, consumers, t) for t in flat.inputs}
-    roles = _roles(phases, readers)
+    roles = _roles(phases, readers, {t for t in flat.inputs if _arg_index(input_paths[t]) == 0})
     param_ts = [t for t in flat.inputs if roles[t] == "parameter"]
     opt_ts = [t for t in flat.inputs if roles[t] == "optimizer_state"]
     links = _link_state(input_paths, shapes, param_ts, opt_ts)

@@ -60,6 +60,10 @@ class RunResult:
       sample: the text sampled from the model at the end ("" when ``train.sample_tokens`` is 0).
       plan: the plan it ran (with compiled and measured figures where recorded).
       state: the state at ``last_step`` (as the planned step left it).
+      evaluation: the plan as the evaluation ran it, with its programs' compiled figures
+        (``compiled["programs"]``: memory and ``beside_bytes`` per stage) where the plan is
+        pipelined; ``None`` on a one-stage plan (one program on its mesh) or without
+        evaluation.
     """
 
     run_dir: Path
@@ -70,6 +74,7 @@ class RunResult:
     sample: str
     plan: Plan
     state: Any
+    evaluation: Plan | None = None
 
 
 def _plan(
@@ -93,45 +98,112 @@ def _forward(graphdef: nnx.GraphDef) -> Callable[[Any, jax.Array], jax.Array]:
     return logits
 
 
-def _gathered(state: Any, *, placed: bool) -> Any:
-    """The state on one device of this process, for evaluation and sampling outside the
-    planned step (the planned step's leaves may lie on several sub-meshes, and under several
-    processes on other processes' devices: every process then evaluates the same state).
-    ``placed``: whether the state is the planned step's (else each process has a copy: the
-    initial state, made alike on every process)."""
-    if placed and jax.process_count() > 1:
-        state = everywhere(state)
-    return jax.device_put(state, jax.local_devices()[0])
-
-
 def _quiet(_: str) -> None:
     """Prints nothing (the processes other than process 0)."""
 
 
-def _eval_loss(forward: Callable[..., Any]) -> Callable[[Any, Any], jax.Array]:
-    """The jitted mean cross-entropy of a batch (made once per run: each evaluation reuses
-    its compiled program)."""
+def _eval_metrics(forward: Callable[..., Any]) -> Callable[[Any, Any], dict[str, jax.Array]]:
+    """``{"loss": mean cross-entropy}`` of a batch: the forward pass the plan evaluates."""
 
-    @jax.jit
-    def loss(state: Any, batch: Any) -> jax.Array:
+    def metrics(state: Any, batch: Any) -> dict[str, jax.Array]:
         logits = forward(state, batch["inputs"])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+        return {"loss": optax.softmax_cross_entropy_with_integer_labels(
+            logits, batch["targets"]).mean()}
 
-    return loss
+    return metrics
 
 
-def _evaluate(loss: Callable[[Any, Any], jax.Array], state: Any, dataset: Dataset,
-              batches: int, *, placed: bool) -> float:
-    local = _gathered(state, placed=placed)
-    values = [float(loss(local, dataset.val_batch(i))) for i in range(batches)]
+def _evaluate(evaluate: Callable[[Any, Any], Any], state: Any, dataset: Dataset,
+              batches: int) -> float:
+    """The mean validation loss over ``batches`` batches, each run through the plan
+    (``run.evaluator``: the plan's stages on their devices; the loss brought to every
+    process)."""
+    values = [float(everywhere(evaluate(state, dataset.val_batch(i))["loss"]))
+              for i in range(batches)]
     return float(np.mean(values))
+
+
+def _sampling_mesh(plan: Plan) -> tuple[jax.sharding.Mesh, str] | None:
+    """Where sampling runs when the plan cuts the model into several stages (a one-token
+    forward cannot be split into the plan's microbatches) or spans several processes (each
+    samples alone): the devices of this process of the device type the plan uses most of, as
+    one mesh, and the reason, for the log; ``None`` for a one-stage plan in one process
+    (sampling runs on its layout)."""
+    if len(plan.stages) == 1 and jax.process_count() == 1:
+        return None
+    local = {d.id: d for d in jax.local_devices()}
+    by_type: dict[str, list[int]] = {}
+    for st in plan.stages:
+        by_type.setdefault(st.device_type, []).extend(d for d in st.mesh.device_ids
+                                                      if d in local)
+    kind, ids = max(by_type.items(), key=lambda kv: len(kv[1]))
+    if not ids:  # (a process holding no stage: its own devices)
+        kind, ids = "local", sorted(local)
+    mesh = jax.sharding.Mesh(np.array([local[d] for d in sorted(ids)]), ("sample",),
+                             axis_types=(jax.sharding.AxisType.Auto,))
+    why = (f"cuts the model into {len(plan.stages)} stages" if len(plan.stages) > 1
+           else f"spans {jax.process_count()} processes")
+    reason = (f"sampling: the plan {why}, so the "
+              f"sampler's forward runs on the {len(ids)} {kind} devices {sorted(ids)} "
+              f"(the largest set of one device type), the parameters split over them")
+    return mesh, reason
+
+
+def _on_mesh(x: Any, mesh: jax.sharding.Mesh) -> Any:
+    """``x`` on ``mesh``, its largest dimension that the mesh divides split over it (else
+    replicated)."""
+    size = mesh.devices.size
+    dims = sorted(range(np.ndim(x)), key=lambda d: -np.shape(x)[d])
+    axis = next((d for d in dims if np.shape(x)[d] % size == 0), None)
+    spec: list[str | None] = [None] * np.ndim(x)
+    if axis is not None:
+        spec[axis] = "sample"
+    return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
+
+
+def _sampler_state(forward: Callable[..., Any], state: Any, plan: Plan, seq_len: int,
+                   print_fn: Callable[[str], None]) -> tuple[Any, Callable[..., Any]]:
+    """The state the sampler reads and the forward over it: on a one-stage plan the state
+    where the step keeps it; otherwise the leaves the forward reads (the parameters, not the
+    optimizer state) on :func:`_sampling_mesh`, the others left out."""
+    where = _sampling_mesh(plan)
+    if where is None:
+        return state, forward
+    mesh, reason = where
+    print_fn(reason)
+    leaves, treedef = jax.tree.flatten(state)
+    window = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
+    closed = jax.make_jaxpr(lambda *xs: forward(jax.tree.unflatten(treedef, xs[:-1]),
+                                                xs[-1]))(*leaves, window)
+    from jax.extend.core import Var
+
+    read = {v for e in closed.jaxpr.eqns for v in e.invars if isinstance(v, Var)}
+    read |= {v for v in closed.jaxpr.outvars if isinstance(v, Var)}
+    used = [i for i, v in enumerate(closed.jaxpr.invars[:-1]) if v in read]
+    if jax.process_count() > 1:  # a stage's leaves may be another process's
+        picked = everywhere([leaves[i] for i in used])
+    else:
+        picked = [leaves[i] for i in used]
+    placed = [_on_mesh(x, mesh) for x in picked]
+    avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves]
+
+    def forward_used(kept: list[Any], inputs: jax.Array) -> jax.Array:
+        full: list[Any] = list(avals)
+        for i, x in zip(used, kept, strict=True):
+            full[i] = x
+        # the leaves the forward does not read stay abstract: zeros XLA drops unread
+        full = [jnp.zeros(x.shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct) else x
+                for x in full]
+        return forward(jax.tree.unflatten(treedef, full), inputs)
+
+    return placed, forward_used
 
 
 def _sample(
     forward: Callable[..., Any], state: Any, prompt: str, tokens: int, seq_len: int, seed: int
-, *, placed: bool) -> str:
+) -> str:
     """``tokens`` bytes sampled (temperature 0.8) after ``prompt``, the model reading the last
-    ``seq_len`` bytes."""
+    ``seq_len`` bytes (``forward(state, inputs)``: :func:`_sampler_state`'s)."""
     if tokens <= 0:
         return ""
 
@@ -140,14 +212,13 @@ def _sample(
         logits = forward(state, window[None])[0, -1]
         return jax.random.categorical(key, logits / 0.8)
 
-    local = _gathered(state, placed=placed)
     data = list(prompt.encode("utf-8")) or [ord("\n")]
     key = jax.random.key(seed)
     for _ in range(tokens):
         window = data[-seq_len:]
         window = [ord(" ")] * (seq_len - len(window)) + window
         key, sub = jax.random.split(key)
-        data.append(int(next_token(local, jnp.asarray(window, jnp.int32), sub)))
+        data.append(int(next_token(state, jnp.asarray(window, jnp.int32), sub)))
     return bytes(data[len(prompt.encode("utf-8")) :]).decode("utf-8", errors="replace")
 
 
@@ -241,7 +312,7 @@ def train(
             return RunResult(run_dir, first, first, (), {}, "", run.plan, state)
 
     forward = _forward(graphdef)
-    eval_loss = _eval_loss(forward)
+    evaluator = run.evaluator(_eval_metrics(forward))
     tokens_per_step = config.data.batch_size * config.data.seq_len
     metrics_file = (run_dir / "metrics.jsonl").open("a", encoding="utf-8") if main else None
     losses: list[float] = []
@@ -255,11 +326,9 @@ def train(
 
     def evaluate(step: int) -> None:
         if config.data.val_batches and config.data.val_fraction > 0:
-            val_losses[step] = _evaluate(eval_loss, state, dataset, config.data.val_batches,
-                                         placed=placed)
+            val_losses[step] = _evaluate(evaluator, state, dataset, config.data.val_batches)
             log({"step": step, "val_loss": val_losses[step]})
 
-    placed = latest is not None  # a restored state is in the plan's layout
     progress_bar = _Progress(config.train.steps, first, enabled=progress and main)
     measured_written = False
     try:
@@ -267,7 +336,6 @@ def train(
         start = time.perf_counter()
         for step in range(first, config.train.steps):
             state, metrics = run(state, dataset.train_batch(step))
-            placed = True
             loss = float(everywhere(metrics["loss"]))  # held by the last stage's process
             if not math.isfinite(loss):
                 kept = checkpoints.latest_step()
@@ -305,15 +373,12 @@ def train(
         last = first + len(losses)
         if last == config.train.steps and last not in val_losses:
             evaluate(last)
-        sample = _sample(
-            forward,
-            state,
-            config.train.sample_prompt,
-            config.train.sample_tokens,
-            config.data.seq_len,
-            config.train.seed,
-            placed=placed,
-        )
+        sample = ""
+        if config.train.sample_tokens > 0:
+            sampler_state, sampler = _sampler_state(forward, state, run.plan,
+                                                    config.data.seq_len, print_fn)
+            sample = _sample(sampler, sampler_state, config.train.sample_prompt,
+                             config.train.sample_tokens, config.data.seq_len, config.train.seed)
     finally:
         progress_bar.close()
         checkpoints.close()
@@ -323,7 +388,8 @@ def train(
         _write_plan(run_dir, run.plan)
     if sample:
         print_fn(f"sample: {config.train.sample_prompt!r} -> {sample!r}")
-    return RunResult(run_dir, first, last, tuple(losses), val_losses, sample, run.plan, state)
+    return RunResult(run_dir, first, last, tuple(losses), val_losses, sample, run.plan, state,
+                     getattr(evaluator, "plan", None) if val_losses else None)
 
 
 class _Progress:
