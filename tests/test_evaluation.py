@@ -77,3 +77,34 @@ def test_a_one_stage_plan_evaluates_on_its_layout() -> None:
     assert {d.id for d in got["loss"].sharding.device_set} == set(range(8))
     want = jax.jit(metrics)(reference, val)
     np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-5, atol=1e-5)
+
+
+def test_sampling_a_pipelined_model_that_fits_no_one_type_is_refused_before_placing() -> None:
+    # Sampling runs on the plan's devices of one type with the parameters split over them;
+    # where they would hold more than the plan's budget per device, it says so, with the
+    # bytes and the option that skips the sample, before anything is placed.
+    import dataclasses
+
+    import pytest
+
+    from shardplan.errors import InfeasibleError
+    from shardplan.train.loop import _sampler_state
+
+    config = models.load_model_config("gpt-tiny")
+    graphdef, state = models.init_train_state(config, seed=0)
+    step = models.make_train_step(graphdef)
+    batch = models.example_batch(config, 16, seed=0)
+    one = sp.make_plan(step, jax.eval_shape(lambda: state), jax.eval_shape(lambda: batch),
+                       cluster=sp.Cluster.local(types={"a100-80g": 8}),
+                       config=sp.PlanConfig(max_stages=1))
+    plan = _pipeline(one, [[("a100-80g", (0,), ("pre", "blocks.0")),
+                            ("a100-80g", (1,), ("blocks.1", "post"))]], 4, [4])
+    said: list[str] = []
+    placed, _ = _sampler_state(_forward(graphdef), state, plan, config.max_seq_len, said.append)
+    assert said and "2 a100-80g devices [0, 1]" in said[0]
+    assert {d.id for x in placed for d in x.sharding.device_set} == {0, 1}
+    tight = dataclasses.replace(plan, solver={**plan.solver,
+                                              "memory_budget_bytes": {"a100-80g": 1000}})
+    with pytest.raises(InfeasibleError, match="train.sample_tokens=0") as caught:
+        _sampler_state(_forward(graphdef), state, tight, config.max_seq_len, said.append)
+    assert "sampling on 2 a100-80g devices" in str(caught.value)

@@ -95,17 +95,17 @@ def test_identical_replicas_run_as_one_program_per_stage(replicas: int) -> None:
                 assert 0.95 * resident <= held <= 1.1 * resident, (d, held, resident)
 
 
-def test_the_planners_replicas_all_reduce_what_it_priced() -> None:
-    # The planner's own plan for a 4-block Llama on 4 A100 + 4 V100 under 60 % of its one-stage
-    # peak: two identical replicas of two A100 stages. Each stage's sync all-reduces the
-    # gradient bytes the planner priced (plan.solver["sync_bytes"]) within 1 %, the transfers
-    # between stages carry what it priced within 10 % (plan.solver["transfer_bytes"]), and
-    # each replica's devices keep their own stage's state (live bytes as predicted, within
-    # 10 %).
-    # (Llama: its head has its own weights. GPT-tiny's head reads the token embedding, which
-    # crosses stages each step with its gradient term coming back: bytes transfer_bytes does
-    # not price yet.)
-    config, state, step, plan, _ = _budget_planned("llama-tiny", 16, 0.6)
+@pytest.mark.parametrize("name", ["llama-tiny", "gpt-tiny"])
+def test_the_planners_replicas_all_reduce_what_it_priced(name: str) -> None:
+    # The planner's own plan for a 4-block model on 4 A100 + 4 V100 under 60 % of its
+    # one-stage peak: two identical replicas of two A100 stages. Each stage's sync all-reduces
+    # the gradient bytes the planner priced (plan.solver["sync_bytes"]) within 1 %, the
+    # transfers between stages carry what it priced within 10 % (plan.solver[
+    # "transfer_bytes"]: the boundary activations and their gradients; for GPT, whose head
+    # reads the token embedding, also the embedding crossing to the head's stage each step
+    # and its gradient term coming back), and each replica's devices keep their own stage's
+    # state (live bytes as predicted, within 10 %).
+    config, state, step, plan, _ = _budget_planned(name, 16, 0.6)
     assert len(plan.replicas) == 2
     run = _three_steps(config, state, step, plan)
     assert len(run._groups) == 1

@@ -76,6 +76,8 @@ class LayerCosts:
         ``per_submesh_s``: per (group, devices) the search and readback seconds of its own
         (0 where it reused another group's solution).
       stacks: the scanned stacks, as ranges of pipeline layers (:func:`scanned_stacks`).
+      borrowed: ``(reader, owner, bytes)`` per parameter a pipeline layer's forward reads that
+        another owns (:func:`borrowed_parameters`).
     """
 
     kinds: tuple[LayerKind, ...]
@@ -86,6 +88,7 @@ class LayerCosts:
     skipped_sizes: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     timings: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False)
     stacks: tuple[tuple[int, int], ...] = ()
+    borrowed: tuple[tuple[int, int, float], ...] = ()
 
 
 def submesh_sizes(count: int, devices_per_node: int, *, limit: int = 64) -> tuple[int, ...]:
@@ -161,7 +164,30 @@ def layer_costs(graph: OpGraph, cluster: Cluster, *, reference_batch: int,
                       names=tuple(layer.name for layer in pipeline_layers),
                       reference_batch=reference_batch, choices=choices,
                       skipped_sizes=skipped, timings=timings,
-                      stacks=scanned_stacks(pipeline_layers))
+                      stacks=scanned_stacks(pipeline_layers),
+                      borrowed=borrowed_parameters(graph, pipeline_layers))
+
+
+def borrowed_parameters(graph: OpGraph, layers: Sequence[Layer],
+                        ) -> tuple[tuple[int, int, float], ...]:
+    """``(reader, owner, bytes)``, positions in ``layers``: each parameter a layer's forward
+    reads that one other layer owns (a tied embedding read by the output head), with its
+    bytes. A stage running the reader without the owner receives the parameter each step
+    and sends its gradient term back (``solver.pipeline.transfer_bytes``)."""
+    position = {layer.index: i for i, layer in enumerate(layers)}
+    owners = _owners(graph)
+    out: list[tuple[int, int, float]] = []
+    for p in graph.parameters:
+        if p.role != "parameter" or p.path not in owners:
+            continue
+        owning = [position[i] for i in owners[p.path] if i in position]
+        if len(owning) != 1:  # (a scanned stack's leaf: its rows own it together)
+            continue
+        readers = {position[i] for r in p.readers if graph.ops[r].phase == "forward"
+                   for i in graph.ops[r].layers if i in position}
+        out.extend((reader, owning[0], float(graph.tensors[p.tensor].nbytes))
+                   for reader in sorted(readers - set(owning)))
+    return tuple(out)
 
 
 def scanned_stacks(layers: Sequence[Layer]) -> tuple[tuple[int, int], ...]:

@@ -146,7 +146,7 @@ def pipeline_problem(costs: LayerCosts, cluster: Cluster, *, batch: int,
         kinds=costs.kinds, layers=costs.layers, groups=tuple(groups), between_groups=between,
         group_links=pairs, batch=batch, microbatch_sizes=sizes, schedules=tuple(schedules),
         remats=tuple(remats), chunks=tuple(chunks), max_stages=max_stages,
-        stacks=costs.stacks)
+        stacks=costs.stacks, borrowed=costs.borrowed)
 
 
 # --------------------------------------------------------------------------- make_plan

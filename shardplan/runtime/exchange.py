@@ -77,10 +77,9 @@ class Exchange:
 
     Args:
       stages: per party, per cut value, the stage (index into ``plan.stages``) holding it.
-      values: per party, per cut value, its sum there (for the avals and shardings; a value
-        of another process: ``None``, then ``avals`` and ``shardings`` give them).
       avals: per cut value, its shape and dtype.
-      shardings: ``(party, value) -> sharding`` of the value's sum on its stage.
+      shardings: ``(party, value) -> sharding`` of the value's sum on its stage (what the
+        gather gives back).
       meshes: per stage, its mesh.
     """
 
@@ -105,11 +104,11 @@ class Exchange:
         for p in range(g):
             for i in range(len(avals)):
                 self.held.setdefault(stages[p][i], (p, []))[1].append(i)
-        self.scatter = {s: self._scatter(s, p, idx) for s, (p, idx) in self.held.items()}
-        self.reduce = {s: self._reduce(s, idx) for s, (p, idx) in self.held.items()}
+        self.scatter = {s: self._scatter(s, idx) for s, (_, idx) in self.held.items()}
+        self.reduce = {s: self._reduce(s, idx) for s, (_, idx) in self.held.items()}
         self.gather = {s: self._gather(s, p, idx) for s, (p, idx) in self.held.items()}
 
-    def _scatter(self, stage: int, party: int, idx: list[int]) -> Program:
+    def _scatter(self, stage: int, idx: list[int]) -> Program:
         flat = _flat(self.meshes[stage])
 
         def cut(xs: list[Any]) -> list[Any]:

@@ -89,7 +89,9 @@ Step time (:func:`evaluate_pipeline`), per replica with ``k`` stages and ``m`` m
   stage's layers meet several stages of another replica; the bytes each device sends are
   still its ``2 (R - 1) / R`` share, and the latency is charged once, as if each device's
   pieces went in one bucket.) Both the busiest stage and the plan-wide link keep the stage
-  planner's search separable per replica and stage.
+  planner's search separable per replica and stage. The runtime all-reduces inside classes
+  of identical replicas and exchanges between the classes (:func:`exchange_bytes`), which
+  moves no more per device than this ring.
 * the update: ``max`` over all stages of the sum of their layers' ``update_s``, after the
   synchronisation (every stage updates at once).
 
@@ -311,6 +313,9 @@ class PipelineProblem:
       stacks: the scanned stacks, as layer ranges ``(a, b)`` (ascending, disjoint, two layers
         or more): layers ``a .. b - 1`` are the rows of stacked leaves, which a plan cuts only
         into equal runs on alike stages (:func:`stack_violations`).
+      borrowed: ``(reader, owner, bytes)``: a parameter layer ``reader``'s forward reads that
+        layer ``owner`` owns (a tied embedding read by the output head), for
+        :func:`transfer_bytes`.
     """
 
     kinds: tuple[LayerKind, ...]
@@ -329,6 +334,7 @@ class PipelineProblem:
     time_limit_s: float = 10.0
     work_limit: int = 0
     stacks: tuple[tuple[int, int], ...] = ()
+    borrowed: tuple[tuple[int, int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -469,7 +475,11 @@ def stage_sigma(problem: PipelineProblem, stage: StagePlacement) -> float:
 def transfer_bytes(problem: PipelineProblem, plan: PipelinePlan) -> float:
     """The bytes a step of a structurally valid plan sends between stages: per replica, per
     hop (consecutive layers on different stages, in a microbatch's order), the boundary
-    activation forward and its gradient back, for each of its microbatches."""
+    activation forward and its gradient back, for each of its microbatches; and once per
+    step, each parameter a stage reads but another stage of the replica owns
+    (``problem.borrowed``: a tied embedding read by the head) and its gradient term back.
+    Each counted once, as if it lands split over the receiving stage's devices (a layout
+    that replicates it over ``D`` devices receives ``D`` copies: the runtime counts those)."""
     v = plan.chunks if plan.schedule == "interleaved" else 1
     mb = plan.microbatch_size
     total = 0.0
@@ -480,6 +490,8 @@ def transfer_bytes(problem: PipelineProblem, plan: PipelinePlan) -> float:
             if stage_of[a] != stage_of[b]:
                 boundary = problem.kinds[problem.layers[a]].boundary_bytes
                 total += 2 * boundary * mb * replica.microbatches
+        total += sum(2 * nbytes for reader, owner, nbytes in problem.borrowed
+                     if stage_of[reader] != stage_of[owner])
     return total
 
 

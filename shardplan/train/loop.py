@@ -32,10 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.extend.core import Var
 
 import models
 from shardplan.data import Dataset, abstract_batch, load_data
-from shardplan.errors import CheckpointError, RuntimeFailure, format_error
+from shardplan.errors import CheckpointError, InfeasibleError, RuntimeFailure, format_error
 from shardplan.plan import Plan, load_plan
 from shardplan.planner.single import make_plan
 from shardplan.runtime.spmd import apply_plan, state_shardings
@@ -123,12 +124,12 @@ def _evaluate(evaluate: Callable[[Any, Any], Any], state: Any, dataset: Dataset,
     return float(np.mean(values))
 
 
-def _sampling_mesh(plan: Plan) -> tuple[jax.sharding.Mesh, str] | None:
+def _sampling_mesh(plan: Plan) -> tuple[jax.sharding.Mesh, str, str] | None:
     """Where sampling runs when the plan cuts the model into several stages (a one-token
     forward cannot be split into the plan's microbatches) or spans several processes (each
     samples alone): the devices of this process of the device type the plan uses most of, as
-    one mesh, and the reason, for the log; ``None`` for a one-stage plan in one process
-    (sampling runs on its layout)."""
+    one mesh, that device type, and the reason, for the log; ``None`` for a one-stage plan in
+    one process (sampling runs on its layout)."""
     if len(plan.stages) == 1 and jax.process_count() == 1:
         return None
     local = {d.id: d for d in jax.local_devices()}
@@ -146,19 +147,19 @@ def _sampling_mesh(plan: Plan) -> tuple[jax.sharding.Mesh, str] | None:
     reason = (f"sampling: the plan {why}, so the "
               f"sampler's forward runs on the {len(ids)} {kind} devices {sorted(ids)} "
               f"(the largest set of one device type), the parameters split over them")
-    return mesh, reason
+    return mesh, kind, reason
 
 
-def _on_mesh(x: Any, mesh: jax.sharding.Mesh) -> Any:
-    """``x`` on ``mesh``, its largest dimension that the mesh divides split over it (else
-    replicated)."""
+def _sampling_sharding(x: Any, mesh: jax.sharding.Mesh) -> jax.sharding.NamedSharding:
+    """``x``'s layout on ``mesh``: its largest dimension that the mesh divides split over it
+    (else replicated)."""
     size = mesh.devices.size
     dims = sorted(range(np.ndim(x)), key=lambda d: -np.shape(x)[d])
     axis = next((d for d in dims if np.shape(x)[d] % size == 0), None)
     spec: list[str | None] = [None] * np.ndim(x)
     if axis is not None:
         spec[axis] = "sample"
-    return jax.device_put(x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec)))
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
 
 
 def _sampler_state(forward: Callable[..., Any], state: Any, plan: Plan, seq_len: int,
@@ -169,14 +170,12 @@ def _sampler_state(forward: Callable[..., Any], state: Any, plan: Plan, seq_len:
     where = _sampling_mesh(plan)
     if where is None:
         return state, forward
-    mesh, reason = where
+    mesh, kind, reason = where
     print_fn(reason)
     leaves, treedef = jax.tree.flatten(state)
     window = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
     closed = jax.make_jaxpr(lambda *xs: forward(jax.tree.unflatten(treedef, xs[:-1]),
                                                 xs[-1]))(*leaves, window)
-    from jax.extend.core import Var
-
     read = {v for e in closed.jaxpr.eqns for v in e.invars if isinstance(v, Var)}
     read |= {v for v in closed.jaxpr.outvars if isinstance(v, Var)}
     used = [i for i, v in enumerate(closed.jaxpr.invars[:-1]) if v in read]
@@ -184,7 +183,20 @@ def _sampler_state(forward: Callable[..., Any], state: Any, plan: Plan, seq_len:
         picked = everywhere([leaves[i] for i in used])
     else:
         picked = [leaves[i] for i in used]
-    placed = [_on_mesh(x, mesh) for x in picked]
+    layouts = [_sampling_sharding(x, mesh) for x in picked]
+    # what each device would hold (alike on a 1-D mesh), checked before anything is placed
+    held = sum(int(np.prod(sh.shard_shape(np.shape(x)), dtype=np.int64))
+               * np.dtype(x.dtype).itemsize for x, sh in zip(picked, layouts, strict=True))
+    budgets: Any = plan.solver.get("memory_budget_bytes", {})
+    budget = budgets.get(kind)
+    if budget is not None and held > budget:
+        raise InfeasibleError(format_error(
+            "The model's parameters do not fit the devices sampling would run on.",
+            where=f"sampling on {mesh.devices.size} {kind} devices",
+            value={"bytes per device": held, "budget per device": budget},
+            remedy="set train.sample_tokens=0 (no sample), or plan on a cluster with more "
+                   "devices of one type"))
+    placed = [jax.device_put(x, sh) for x, sh in zip(picked, layouts, strict=True)]
     avals = [jax.ShapeDtypeStruct(np.shape(x), x.dtype) for x in leaves]
 
     def forward_used(kept: list[Any], inputs: jax.Array) -> jax.Array:
