@@ -105,6 +105,6 @@ def test_sampling_a_pipelined_model_that_fits_no_one_type_is_refused_before_plac
     assert {d.id for x in placed for d in x.sharding.device_set} == {0, 1}
     tight = dataclasses.replace(plan, solver={**plan.solver,
                                               "memory_budget_bytes": {"a100-80g": 1000}})
-    with pytest.raises(InfeasibleError, match="train.sample_tokens=0") as caught:
+    with pytest.raises(InfeasibleError, match=r"train\.sample_tokens=0") as caught:
         _sampler_state(_forward(graphdef), state, tight, config.max_seq_len, said.append)
     assert "sampling on 2 a100-80g devices" in str(caught.value)
