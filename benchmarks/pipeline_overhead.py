@@ -182,8 +182,8 @@ def time_plan(path: Path, repeats: int) -> dict[str, Any]:
     _, state, step, batch = _llama4()
     run = sp.apply_plan(step, sp.load_plan(path))
     median = _median_step(run, state, batch, repeats)
-    measured = dict(getattr(run, "plan", None).measured or {})
-    return {"median_s": median, "measured": measured, "shardplan": sp.__file__}
+    return {"median_s": median, "measured": dict(run.plan.measured or {}),
+            "compiled": dict(run.plan.compiled or {}), "shardplan": sp.__file__}
 
 
 def _replica_cases() -> dict[str, Any]:
@@ -237,6 +237,10 @@ def replicas_vs_baseline(repeats: int, baseline: str) -> dict[str, Any]:
                     "priced": priced,
                     "measured": {k: measured.get(k) for k in
                                  ("moved_bytes", "batch_bytes", "sync_moved_bytes")},
+                    "compiled_all_reduce_bytes": {
+                        str(p["stage"]): p["collectives"]["all-reduce"]["bytes"]
+                        for p in (now["compiled"] or {}).get("programs", ())
+                        if str(p["name"]).startswith("sync") and "same_as" not in p},
                     "step_s": {"now": now["median_s"], "baseline": before["median_s"]},
                     "ratio_of_medians": now["median_s"] / before["median_s"],
                 }
@@ -267,12 +271,13 @@ def main() -> None:
                         help="measurement 3 alone (merged into the results file)")
     args = parser.parse_args()
     if args.time_plan:
-        print(json.dumps(time_plan(args.time_plan, args.repeats), default=str))
+        done = time_plan(args.time_plan, args.repeats)
+        print(json.dumps({"median_s": done["median_s"], "shardplan": done["shardplan"]}))
         return
     if args.only_replicas:
         result = json.loads(args.out.read_text()) if args.out.exists() else {}
         result["replicas"] = replicas_vs_baseline(args.repeats, args.baseline)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        args.out.write_text(json.dumps(result, indent=2, default=dict) + "\n")
         print(f"wrote {args.out}")
         return
     result = {"executor": executor_overhead(args.repeats),
@@ -281,7 +286,7 @@ def main() -> None:
               "repeats": args.repeats, "jax": jax.__version__,
               "machine": f"{platform.machine()}, {os.cpu_count()} cores"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.write_text(json.dumps(result, indent=2, default=dict) + "\n")
     print(f"wrote {args.out}")
 
 

@@ -9,12 +9,15 @@ one of its stages. With ``G`` parties, every value's elements are cut into ``G``
 value flattened, chunk ``q`` its ``q``-th ``1 / G``):
 
 1. **scatter** (a program per stage holding values): each value flattened and cut, each chunk
-   laid out over all the stage's devices (one 1-D shard each, padded to a length every stage
-   holding the value divides);
-2. chunk ``q`` goes to the stage of party ``q`` holding that value (``jax.device_put``);
-3. **reduce** (per stage): party ``q``'s stage sums the ``G`` copies of its chunks, shard by
-   shard with no communication (all copies of a chunk are padded and laid out alike);
-4. the reduced chunk goes back to the stage of every other party holding the value;
+   padded to a multiple of ``M`` elements (the least common multiple of the stages' device
+   counts) and laid out as ``M`` rows over the stage's devices; the chunks bound for one
+   stage, of one dtype, joined side by side into one *bucket* (as data-parallel training
+   buckets its gradients): a row of a bucket lies on the same device for every chunk in it;
+2. each bucket goes to its stage (one ``jax.device_put`` for them all);
+3. **reduce** (per stage): party ``q``'s stage sums the ``G`` copies of its chunks, row by row
+   with no communication (every copy of a chunk has its rows on the same devices);
+4. the reduced chunks go back to the stages of the other parties holding their values, in
+   buckets again;
 5. **gather** (per stage): each party's stage joins the ``G`` reduced chunks of each value it
    holds into the value's own shape and sharding.
 
@@ -45,31 +48,41 @@ from shardplan.runtime.partition import Program
 
 __all__ = ["Exchange"]
 
+Route = tuple[Any, Any, int, int, NamedSharding]
+"""A transfer: ``(x, aval, source stage, destination stage, sharding there)``."""
 
-def _flat(mesh: jax.sharding.Mesh) -> NamedSharding:
-    """A 1-D value laid out over every device of ``mesh``, one shard each."""
-    return NamedSharding(mesh, P(tuple(mesh.axis_names)))
+
+def _rows(mesh: jax.sharding.Mesh) -> NamedSharding:
+    """A bucket's layout on ``mesh``: its rows over every device of the mesh."""
+    return NamedSharding(mesh, P(tuple(mesh.axis_names), None))
 
 
 @dataclass(frozen=True)
 class _Value:
     """One cut value of the exchange: its shape and dtype, per party its stage and sharding,
-    its chunk bounds and the padded chunk length."""
+    its chunk bounds, and each chunk's width once padded and laid out as ``rows`` rows."""
 
     shape: tuple[int, ...]
     dtype: Any
     stages: tuple[int, ...]  # per party
     shardings: tuple[Any, ...]  # per party: the value's sharding there
     bounds: tuple[int, ...]  # G + 1 element offsets
-    padded: int  # every chunk's length once padded
+    rows: int
+    width: int
 
-    def chunk(self, x: Any, q: int) -> Any:
+    def chunk(self, x: Any, q: int) -> Any:  # [rows, width]
         a, b = self.bounds[q], self.bounds[q + 1]
-        return jnp.pad(x.reshape(-1)[a:b], (0, self.padded - (b - a)))
+        flat = jnp.pad(x.reshape(-1)[a:b], (0, self.rows * self.width - (b - a)))
+        return flat.reshape(self.rows, self.width)
 
     def join(self, chunks: Sequence[Any]) -> Any:
-        pieces = [c[:self.bounds[q + 1] - self.bounds[q]] for q, c in enumerate(chunks)]
+        pieces = [c.reshape(-1)[:self.bounds[q + 1] - self.bounds[q]]
+                  for q, c in enumerate(chunks)]
         return jnp.concatenate(pieces).reshape(self.shape)
+
+
+Key = tuple[int, int, str]
+"""A bucket: ``(source stage, destination stage, dtype)``; equal stages: a party's own."""
 
 
 class Exchange:
@@ -89,104 +102,134 @@ class Exchange:
         g = len(stages)
         self.parties = g
         self.meshes = meshes
+        self.party = {s: p for p in range(g) for s in stages[p]}
+        rows = math.lcm(*(meshes[s].devices.size for s in self.party))
         self.values: list[_Value] = []
         for i, aval in enumerate(avals):
             n = int(np.prod(aval.shape, dtype=np.int64))
-            holders = tuple(stages[p][i] for p in range(g))
-            multiple = math.lcm(*(meshes[s].devices.size for s in holders))
-            bounds = tuple(n * q // g for q in range(g + 1))
-            longest = -(-n // g)  # the largest chunk
-            self.values.append(_Value(tuple(aval.shape), aval.dtype, holders,
-                                      tuple(shardings(p, i) for p in range(g)), bounds,
-                                      -(-longest // multiple) * multiple))
-        # per stage: its party and the values it holds, in order
-        self.held: dict[int, tuple[int, list[int]]] = {}
-        for p in range(g):
-            for i in range(len(avals)):
-                self.held.setdefault(stages[p][i], (p, []))[1].append(i)
-        self.scatter = {s: self._scatter(s, idx) for s, (_, idx) in self.held.items()}
-        self.reduce = {s: self._reduce(s, idx) for s, (_, idx) in self.held.items()}
-        self.gather = {s: self._gather(s, p, idx) for s, (p, idx) in self.held.items()}
+            longest = -(-n // g)  # elements of the largest chunk
+            self.values.append(_Value(
+                tuple(aval.shape), aval.dtype, tuple(stages[p][i] for p in range(g)),
+                tuple(shardings(p, i) for p in range(g)),
+                tuple(n * q // g for q in range(g + 1)), rows, -(-longest // rows)))
+        # per bucket, its values in order (a reduce-scatter bucket from party p's stage to
+        # party q's holds the values the two hold there; the all-gather bucket back, the same)
+        self.buckets: dict[Key, list[int]] = {}
+        for i, v in enumerate(self.values):
+            for p in range(g):
+                for q in range(g):
+                    key = (v.stages[p], v.stages[q], str(np.dtype(v.dtype)))
+                    self.buckets.setdefault(key, []).append(i)
+        self.held = {s: [i for i, v in enumerate(self.values) if v.stages[self.party[s]] == s]
+                     for s in self.party}
+        self.programs = {s: (self._scatter(s), self._reduce(s), self._gather(s))
+                         for s, idx in self.held.items() if idx}
 
-    def _scatter(self, stage: int, idx: list[int]) -> Program:
-        flat = _flat(self.meshes[stage])
+    def _out(self, stage: int, inward: bool) -> list[Key]:
+        """The buckets leaving ``stage`` (or, ``inward``, arriving there), in order."""
+        return sorted(k for k in self.buckets if k[1 if inward else 0] == stage)
+
+    def _scatter(self, stage: int) -> Program:
+        keys = self._out(stage, inward=False)
 
         def cut(xs: list[Any]) -> list[Any]:
-            return [self.values[i].chunk(x, q) for i, x in zip(idx, xs, strict=True)
-                    for q in range(self.parties)]
+            mine = dict(zip(self.held[stage], xs, strict=True))
+            return [jnp.concatenate([self.values[i].chunk(mine[i], self.party[dst])
+                                     for i in self.buckets[src, dst, dt]], axis=1)
+                    for src, dst, dt in keys]
 
-        return Program(-1, stage, jax.jit(cut, out_shardings=flat), (), ())
+        return Program(-1, stage, jax.jit(cut, out_shardings=_rows(self.meshes[stage])), (),
+                       ())
 
-    def _reduce(self, stage: int, idx: list[int]) -> Program:
-        flat = _flat(self.meshes[stage])
+    def _columns(self, buckets: dict[Key, Any], key: Key, i: int) -> Any:
+        """Value ``i``'s chunk in bucket ``key``."""
+        at = 0
+        for j in self.buckets[key]:
+            if j == i:
+                return buckets[key][:, at:at + self.values[i].width]
+            at += self.values[j].width
+        raise KeyError((key, i))
 
-        def total(chunks: list[Any]) -> list[Any]:  # per value, its G copies of the chunk
-            g = self.parties
-            return [sum(chunks[n * g + 1:(n + 1) * g], chunks[n * g]).astype(self.values[i].dtype)
-                    for n, i in enumerate(idx)]
-
-        return Program(-1, stage, jax.jit(total, out_shardings=flat), (), ())
-
-    def _gather(self, stage: int, party: int, idx: list[int]) -> Program:
+    def _reduce(self, stage: int) -> Program:
+        into, keys = self._out(stage, inward=True), self._out(stage, inward=False)
         g = self.parties
 
-        def join(chunks: list[Any]) -> list[Any]:  # per value, its G reduced chunks
-            return [self.values[i].join(chunks[n * g:(n + 1) * g]) for n, i in enumerate(idx)]
+        def total(arrived: list[Any]) -> list[Any]:
+            buckets = dict(zip(into, arrived, strict=True))
+            reduced = {}
+            for i in self.held[stage]:
+                v = self.values[i]
+                copies = [self._columns(buckets, (v.stages[p], stage, str(np.dtype(v.dtype))),
+                                        i) for p in range(g)]
+                reduced[i] = sum(copies[1:], copies[0]).astype(v.dtype)
+            return [jnp.concatenate([reduced[i] for i in self.buckets[key]], axis=1)
+                    for key in keys]
 
-        out = [self.values[i].shardings[party] for i in idx]
+        return Program(-1, stage, jax.jit(total, out_shardings=_rows(self.meshes[stage])),
+                       (), ())
+
+    def _gather(self, stage: int) -> Program:
+        p, into = self.party[stage], self._out(stage, inward=True)
+        g = self.parties
+
+        def join(arrived: list[Any]) -> list[Any]:
+            buckets = dict(zip(into, arrived, strict=True))
+            return [self.values[i].join([
+                self._columns(buckets, (self.values[i].stages[q], stage,
+                                        str(np.dtype(self.values[i].dtype))), i)
+                for q in range(g)]) for i in self.held[stage]]
+
+        out = [self.values[i].shardings[p] for i in self.held[stage]]
         return Program(-1, stage, jax.jit(join, out_shardings=out), (), ())
 
     def run(self, sums: Sequence[list[Any]],
             run: Callable[[Program, str, list[Any]], Any],
-            move: Callable[[Any, Any, int, int, NamedSharding], Any],
+            move: Callable[[list[Route]], list[Any]],
             here: Callable[[int], bool]) -> list[list[Any]]:
         """Every party's totals of ``sums`` (per party, per cut value, its sum on its stage;
         ``None`` where the stage is another process's), on the same stages and shardings.
 
         Args:
           run: runs a program (``(program, name, args) -> outputs``).
-          move: ``(x, aval, src stage, dst stage, sharding) -> x there`` (``None`` where the
-            destination is not here).
+          move: each :data:`Route` of a list there (``None`` where the destination is not
+            here), all in one call.
           here: whether a stage's devices are this process's.
         """
-        g = self.parties
-        chunks: dict[tuple[int, int, int], Any] = {}  # (value, copy's party, chunk) -> on the
-        # chunk's reducing stage (a copy made where it is reduced stays)
-        for s, (p, idx) in self.held.items():
-            outs = (run(self.scatter[s], f"exchange scatter {s}", [[sums[p][i] for i in idx]])
-                    if here(s) else [None] * (len(idx) * g))
-            for n, i in enumerate(idx):
-                for q in range(g):
-                    chunks[i, p, q] = outs[n * g + q]
-        for (i, p, q), x in list(chunks.items()):
-            if p != q:
-                v = self.values[i]
-                chunks[i, p, q] = move(x, self._chunk_aval(v), v.stages[p], v.stages[q],
-                                       _flat(self.meshes[v.stages[q]]))
-        reduced: dict[tuple[int, int], Any] = {}  # (value, party) -> reduced chunk, per party
-        for s, (q, idx) in self.held.items():
-            args = [chunks[i, p, q] for i in idx for p in range(g)]
-            outs = (run(self.reduce[s], f"exchange reduce {s}", [args]) if here(s)
-                    else [None] * len(idx))
-            for i, x in zip(idx, outs, strict=True):
-                reduced[i, q] = x
-        del chunks
-        copies: dict[tuple[int, int, int], Any] = {}  # (value, chunk, party receiving)
-        for (i, q), x in reduced.items():
-            v = self.values[i]
-            for p in range(g):
-                copies[i, q, p] = x if p == q else move(
-                    x, self._chunk_aval(v), v.stages[q], v.stages[p],
-                    _flat(self.meshes[v.stages[p]]))
-        out: list[list[Any]] = [[None] * len(self.values) for _ in range(g)]
-        for s, (p, idx) in self.held.items():
-            args = [copies[i, q, p] for i in idx for q in range(g)]
-            outs = (run(self.gather[s], f"exchange gather {s}", [args]) if here(s)
-                    else [None] * len(idx))
-            for i, x in zip(idx, outs, strict=True):
-                out[p][i] = x
+        buckets: dict[Key, Any] = {}
+        for s, (scatter, _, _) in self.programs.items():
+            keys = self._out(s, inward=False)
+            args = [sums[self.party[s]][i] for i in self.held[s]]
+            outs = (run(scatter, f"exchange scatter {s}", [args]) if here(s)
+                    else [None] * len(keys))
+            buckets.update(zip(keys, outs, strict=True))
+        self._send(buckets, move)
+        arrived: dict[Key, Any] = {}
+        for s, (_, reduce, _) in self.programs.items():
+            keys = self._out(s, inward=False)
+            args = [buckets[k] for k in self._out(s, inward=True)]
+            outs = (run(reduce, f"exchange reduce {s}", [args]) if here(s)
+                    else [None] * len(keys))
+            arrived.update(zip(keys, outs, strict=True))
+        del buckets
+        self._send(arrived, move)
+        out: list[list[Any]] = [[None] * len(self.values) for _ in range(self.parties)]
+        for s, (_, _, gather) in self.programs.items():
+            args = [arrived[k] for k in self._out(s, inward=True)]
+            outs = (run(gather, f"exchange gather {s}", [args]) if here(s)
+                    else [None] * len(self.held[s]))
+            for i, x in zip(self.held[s], outs, strict=True):
+                out[self.party[s]][i] = x
         return out
 
-    @staticmethod
-    def _chunk_aval(v: _Value) -> Any:
-        return jax.ShapeDtypeStruct((v.padded,), v.dtype)
+    def _send(self, buckets: dict[Key, Any], move: Callable[[list[Route]], list[Any]]) -> None:
+        """Every bucket bound for another stage moved there (in place in ``buckets``)."""
+        sent = [k for k in buckets if k[0] != k[1]]
+        routes: list[Route] = []
+        for key in sent:
+            src, dst, dt = key
+            width = sum(self.values[i].width for i in self.buckets[key])
+            rows = self.values[self.buckets[key][0]].rows
+            routes.append((buckets[key], jax.ShapeDtypeStruct((rows, width), np.dtype(dt)),
+                           src, dst, _rows(self.meshes[dst])))
+        for key, x in zip(sent, move(routes), strict=True):
+            buckets[key] = x

@@ -264,6 +264,22 @@ class _Mover:
         return jax.device_put(landed, sharding) if self.here[dst] else None
 
 
+    def move_many(self, items: Sequence[tuple[Any, Any, int, int, NamedSharding]], *,
+                  sync: bool = False) -> list[Any]:
+        """:meth:`move` of each ``(x, aval, src, dst, sharding)``; in one process, one
+        ``jax.device_put`` for all of them (a call per array costs more than the copy of a
+        small one)."""
+        if self.multi or not items:
+            return [self.move(*item, sync=sync) for item in items]
+        for x, _, _, dst, sharding in items:
+            got = received(x, sharding)
+            if sync:
+                self.sync_bytes[dst] = self.sync_bytes.get(dst, 0) + got
+            else:
+                self.moved_bytes += got
+        return list(jax.device_put([x for x, *_ in items], [item[4] for item in items]))
+
+
 def received(x: Any, sharding: jax.sharding.Sharding) -> int:
     """The bytes the devices of ``sharding`` receive when ``x`` is put there: each device's
     shard, except on a device that holds ``x`` already (a host array: every shard)."""
@@ -743,8 +759,7 @@ class PipelinedStep:
                     lambda r, i: (sums[r][i].sharding if sums[r][i] is not None
                                   else mover.replicated(ready.cut_at[r][i])), self._meshes)
             sums[:] = self._exchange.run(
-                sums, self._run,
-                lambda x, aval, src, dst, sh: mover.move(x, aval, src, dst, sh, sync=True),
+                sums, self._run, lambda items: mover.move_many(items, sync=True),
                 lambda s: mover.here[s])
         if total > 1:  # the means, one program per stage holding sums
             for local, cut_at in zip(sums, ready.cut_at, strict=True):
@@ -789,21 +804,20 @@ class PipelinedStep:
         avals = {("cut", i): a for i, a in enumerate(split.cut_avals)}
         self._holdings.append(lambda: list(store.values()))
 
-        def fetch(key: Any, aval: Any, dst: int) -> Any:
-            if (key, dst) not in store:
-                src = made[key]
-                store[key, dst] = mover.move(store[key, src], aval, src, dst)
-            return store[key, dst]
-
         for prog in ready.update[r]:
-            args = []
-            for kind, what in prog.inputs:
-                if kind == "state":
-                    args.append(placed[prog.stage, what])
-                elif kind == "cut":
-                    args.append(fetch(("cut", what), avals["cut", what], prog.stage))
-                else:
-                    args.append(fetch(what, what.aval, prog.stage))
+            # what the program reads from other stages (a norm's partial sums, a clip factor,
+            # a counter: scalars, mostly), moved in one call
+            wanted = {key: aval for kind, what in prog.inputs if kind != "state"
+                      for key, aval in [(("cut", what), avals["cut", what]) if kind == "cut"
+                                        else (what, what.aval)]
+                      if (key, prog.stage) not in store}
+            routes = [(store[key, made[key]], aval, made[key], prog.stage,
+                       mover.replicated(prog.stage)) for key, aval in wanted.items()]
+            for key, x in zip(wanted, mover.move_many(routes), strict=True):
+                store[key, prog.stage] = x
+            args = [placed[prog.stage, what] if kind == "state" else
+                    store[("cut", what) if kind == "cut" else what, prog.stage]
+                    for kind, what in prog.inputs]
             outs = (self._run(prog, f"update {prog.key}", args) if mover.here[prog.stage]
                     else [None] * len(prog.outputs))
             for v, x in zip(prog.outputs, outs, strict=True):
