@@ -104,22 +104,29 @@ def _median_step(run: Callable[..., Any], state: Any, batch: Any, repeats: int) 
     return float(np.median(times))
 
 
+def _shape(x: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+
+
 def executor_overhead(repeats: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     step, state, one = mlp_case(1)
     compute = _median_step(jax.jit(step), state, one, repeats * 4)
-    base = sp.make_plan(step, jax.eval_shape(lambda: state), jax.eval_shape(lambda: one),
-                        cluster=sp.Cluster.local(types={"a100-80g": 8}),
-                        config=sp.PlanConfig(max_stages=1))
     names = [layer.name for layer in sp.trace(step, jax.eval_shape(lambda: state),
                                               jax.eval_shape(lambda: one)).layers
              if layer.name != "shared"]
+    bases = {}  # per batch size, a plan made for it (its argument types)
+    for m in (8, 32):
+        step, state, batch = mlp_case(m)
+        bases[m] = sp.make_plan(step, jax.tree.map(_shape, state), jax.tree.map(_shape, batch),
+                                cluster=sp.Cluster.local(types={"a100-80g": 8}),
+                                config=sp.PlanConfig(max_stages=1))
     for k in (2, 4):
         layers = [tuple(str(n) for n in part) for part in np.array_split(names, k)]
         times = {}
         for m in (8, 32):
             step, state, batch = mlp_case(m)
-            plan = _pipeline(base, [[("a100-80g", (p,), names) for p, names in
+            plan = _pipeline(bases[m], [[("a100-80g", (p,), names) for p, names in
                                      enumerate(layers)]], 1, [m])
             times[m] = _median_step(sp.apply_plan(step, plan), state, batch, repeats)
         per = (times[32] - times[8]) / (24 * k)
