@@ -58,16 +58,22 @@ def test_an_evaluation_runs_on_the_stages_holding_a_quarter_of_the_model_each() 
     assert ids == {0, 1, 2, 3}
 
 
-def test_a_one_stage_plan_evaluates_on_its_layout() -> None:
-    # The SPMD path: the evaluation runs as one program on the plan's mesh, the state where
-    # the step left it (split over the mesh as planned).
+def _gpt_planned(**options):
+    """gpt-tiny, its step, a batch of 16 and its plan on 8 A100s (local) under ``options``."""
     config = models.load_model_config("gpt-tiny")
     graphdef, state = models.init_train_state(config, seed=0)
     step = models.make_train_step(graphdef)
     batch = models.example_batch(config, 16, seed=0)
     plan = sp.make_plan(step, jax.eval_shape(lambda: state), jax.eval_shape(lambda: batch),
                         cluster=sp.Cluster.local(types={"a100-80g": 8}),
-                        config=sp.PlanConfig(max_stages=1, pipeline=False))
+                        config=sp.PlanConfig(max_stages=1, **options))
+    return config, graphdef, state, step, batch, plan
+
+
+def test_a_one_stage_plan_evaluates_on_its_layout() -> None:
+    # The SPMD path: the evaluation runs as one program on the plan's mesh, the state where
+    # the step left it (split over the mesh as planned).
+    config, graphdef, state, step, batch, plan = _gpt_planned(pipeline=False)
     run = sp.apply_plan(step, plan, measure_steps=0)
     reference = jax.jit(step)(state, batch)[0]
     state, _ = run(state, batch)
@@ -90,13 +96,7 @@ def test_sampling_a_pipelined_model_that_fits_no_one_type_is_refused_before_plac
     from shardplan.errors import InfeasibleError
     from shardplan.train.loop import _sampler_state
 
-    config = models.load_model_config("gpt-tiny")
-    graphdef, state = models.init_train_state(config, seed=0)
-    step = models.make_train_step(graphdef)
-    batch = models.example_batch(config, 16, seed=0)
-    one = sp.make_plan(step, jax.eval_shape(lambda: state), jax.eval_shape(lambda: batch),
-                       cluster=sp.Cluster.local(types={"a100-80g": 8}),
-                       config=sp.PlanConfig(max_stages=1))
+    config, graphdef, state, _, _, one = _gpt_planned()
     plan = _pipeline(one, [[("a100-80g", (0,), ("pre", "blocks.0")),
                             ("a100-80g", (1,), ("blocks.1", "post"))]], 4, [4])
     said: list[str] = []
