@@ -245,10 +245,7 @@ class _Mover:
         :attr:`sync_bytes` for ``dst``."""
         sharding = sharding or self.replicated(dst)
         if x is not None:
-            if sync:
-                self.sync_bytes[dst] = self.sync_bytes.get(dst, 0) + received(x, sharding)
-            else:
-                self.moved_bytes += received(x, sharding)
+            self._count(x, dst, sharding, sync)
         if not self.multi or (self.here[src] and self.here[dst]):
             return jax.device_put(x, sharding)
         if not (self.here[src] or self.here[dst]):
@@ -272,12 +269,17 @@ class _Mover:
         if self.multi or not items:
             return [self.move(*item, sync=sync) for item in items]
         for x, _, _, dst, sharding in items:
-            got = received(x, sharding)
-            if sync:
-                self.sync_bytes[dst] = self.sync_bytes.get(dst, 0) + got
-            else:
-                self.moved_bytes += got
+            self._count(x, dst, sharding, sync)
         return list(jax.device_put([x for x, *_ in items], [item[4] for item in items]))
+
+    def _count(self, x: Any, dst: int, sharding: NamedSharding, sync: bool) -> None:
+        """What ``x`` put on ``sharding`` brings the devices of stage ``dst``: in
+        :attr:`sync_bytes` (the replicas' exchange) or :attr:`moved_bytes`."""
+        got = received(x, sharding)
+        if sync:
+            self.sync_bytes[dst] = self.sync_bytes.get(dst, 0) + got
+        else:
+            self.moved_bytes += got
 
 
 def received(x: Any, sharding: jax.sharding.Sharding) -> int:
@@ -748,9 +750,8 @@ class PipelinedStep:
             if width > 1:  # microbatch j of a merged replica: its members' j-th, joined
                 mine = [jax.tree.map(_joined, *mine[j * width:(j + 1) * width])
                         for j in range(count)]
-            local, _ = self._run_replica(r, ready, placed, mine,
-                                         {v: i for i, v in enumerate(ready.cut_vars[r])})
-            sums.append(local)
+            sums.append(self._run_replica(r, ready, placed, mine,
+                                          {v: i for i, v in enumerate(ready.cut_vars[r])}))
             first += count * width
         if len(sums) > 1:  # replicas that differ: every one gets the totals (exchange.py)
             if self._exchange is None:
@@ -773,16 +774,14 @@ class PipelinedStep:
         if self._parent is not None:  # an evaluation: its metrics, nothing updated
             out = jax.tree.unflatten(split.out_tree, self._update(ready, 0, placed, sums[0],
                                                                   returns_state=False)[2])
-            if mover.multi:
-                _all_processes_at(f"shardplan-pipeline-step-{next(_STEPS_ENDED)}")
-            return out
-        for r in range(1, len(sums)):  # each replica updates its own copy
-            self._kept[r] = self._update(ready, r, placed, sums[r])[:2]
-        leaves, located, outputs = self._update(ready, 0, placed, sums[0])
-        self._returned, self._located = leaves, located
-        users = self._users(ready, leaves)
-        self._user_returned = users
-        out = jax.tree.unflatten(split.out_tree, [*users, *outputs])
+        else:
+            for r in range(1, len(sums)):  # each replica updates its own copy
+                self._kept[r] = self._update(ready, r, placed, sums[r])[:2]
+            leaves, located, outputs = self._update(ready, 0, placed, sums[0])
+            self._returned, self._located = leaves, located
+            users = self._users(ready, leaves)
+            self._user_returned = users
+            out = jax.tree.unflatten(split.out_tree, [*users, *outputs])
         if mover.multi:
             _all_processes_at(f"shardplan-pipeline-step-{next(_STEPS_ENDED)}")
         return out
@@ -882,9 +881,9 @@ class PipelinedStep:
 
     def _run_replica(self, r: int, ready: _Prepared, placed: dict[tuple[int, int], Any],
                      parts: Sequence[Any],
-                     cut_index: dict[Any, int]) -> tuple[list[Any], list[int]]:
+                     cut_index: dict[Any, int]) -> list[Any]:
         """Runs replica ``r``'s tasks on its microbatches; its cut values summed where they
-        were produced, and where that is."""
+        were produced (``ready.cut_at[r]``)."""
         tasks, virtual = ready.tasks[r], ready.virtual[r]
         mover = self._mover
         values = _Values(tasks, virtual.count, mover)
@@ -952,7 +951,7 @@ class PipelinedStep:
                                     [[local[i] for i in idx]])
                 for i, x in zip(idx, reduced, strict=True):
                     local[i] = x
-        return local, at
+        return local
 
 
 def _read_and_cut_at(tasks: Sequence[Program], cut_vars: Sequence[Any],
