@@ -10,7 +10,7 @@ mesh axes shards every dimension it appears in; that is all a sharding strategy 
   scatter-add sums into, the table rows a gather indexes); sharding it leaves each device with
   a partial sum of the result;
 * ``fixed``: must stay replicated (a sort axis, a concatenated dimension, a dimension whose
-  size a slice or pad changes).
+  size a slice or pad changes, any dimension of a PRNG key array).
 
 This is the factor-based formulation of OpenXLA Shardy's ``OpShardingRule``; the cost model, the
 propagation in :mod:`shardplan.cost.sharding` and the solver all use it.
@@ -25,9 +25,10 @@ from typing import Literal
 
 from shardplan.kernels.registry import PRIMITIVE as KERNEL
 from shardplan.kernels.registry import factor_sizes, parse_layout, rule_for
+from shardplan.trace.dtypes import is_prng_key
 from shardplan.trace.graph import Op, OpGraph
 
-__all__ = ["Factor", "OpRule", "op_rule"]
+__all__ = ["Factor", "OpRule", "op_rule", "replicate_keys"]
 
 FactorKind = Literal["pass", "reduce", "fixed"]
 Dims = tuple[tuple[int, ...], ...]  # per tensor dimension: its factor ids, major first
@@ -311,8 +312,40 @@ def _kernel(b: _Builder, op: Op, ins: list[tuple[int, ...]], outs: list[tuple[in
     return b.rule([dims(x) for x in operand_layouts], [dims(x) for x in result_layouts])
 
 
+def replicate_keys(rule: OpRule, dtypes: Sequence[str]) -> OpRule:
+    """``rule`` with every factor of a PRNG key array fixed: keys are never sharded.
+
+    A key is a few bytes (its ``jax.random.key_data``), so sharding key arrays saves next to
+    no memory or time; keeping them whole keeps every key where each device can draw from it
+    (the random bits an op draws from one key can still be sharded).
+
+    Args:
+      rule: an op's rule (or :func:`~shardplan.planner.nodes.tensor_rule`'s).
+      dtypes: the dtype names of its operands then its results.
+
+    Example:
+      >>> rule = OpRule((Factor(8, "pass"),), (((0,),),), (((0,),),))  # [8] -> [8]
+      >>> replicate_keys(rule, ["key<fry>", "key<fry>"]).factors
+      (Factor(size=8, kind='fixed'),)
+    """
+    dims = (*rule.operands, *rule.results)
+    pinned = {f for dtype, tensor in zip(dtypes, dims, strict=True) if is_prng_key(dtype)
+              for fs in tensor for f in fs}
+    if not pinned:
+        return rule
+    return dataclasses.replace(rule, factors=tuple(
+        Factor(f.size, "fixed") if i in pinned else f for i, f in enumerate(rule.factors)))
+
+
 def op_rule(graph: OpGraph, op: Op) -> OpRule:
-    """The factor rule of ``op`` (see the module docstring)."""
+    """The factor rule of ``op`` (see the module docstring); a PRNG key operand or result
+    is never sharded (:func:`replicate_keys`)."""
+    dtypes = [graph.tensors[t].dtype for t in (*op.inputs, *op.outputs)]
+    rule = _rule(graph, op)
+    return replicate_keys(rule, dtypes) if any(map(is_prng_key, dtypes)) else rule
+
+
+def _rule(graph: OpGraph, op: Op) -> OpRule:
     ins = [_shape(graph, t) for t in op.inputs]
     outs = [_shape(graph, t) for t in op.outputs]
     b = _Builder()

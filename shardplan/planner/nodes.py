@@ -25,7 +25,7 @@ import functools
 from collections.abc import Collection, Mapping, Sequence
 
 from shardplan.cluster.mesh import LogicalMesh
-from shardplan.cost.rules import Factor, OpRule
+from shardplan.cost.rules import Factor, OpRule, replicate_keys
 from shardplan.cost.strategies import OpStrategy, enumerate_strategies, factor_specs
 from shardplan.planner.fold import BoundaryUses, costed_ops
 from shardplan.solver import Follower, Problem
@@ -64,8 +64,9 @@ class IntraOpProblem:
     free_tensors: frozenset[int] = frozenset()
 
 
-def tensor_rule(shape: tuple[int, ...]) -> OpRule:
-    """A rule whose strategies are the shardings of a tensor of ``shape``."""
+def tensor_rule(shape: tuple[int, ...], dtype: str = "float32") -> OpRule:
+    """A rule whose strategies are the shardings of a tensor of ``shape`` (none but replicated
+    for a PRNG key array, :func:`~shardplan.cost.rules.replicate_keys`)."""
     factors: list[Factor] = []
     dims: list[tuple[int, ...]] = []
     for d in shape:
@@ -74,7 +75,7 @@ def tensor_rule(shape: tuple[int, ...]) -> OpRule:
             dims.append((len(factors) - 1,))
         else:
             dims.append(())
-    return OpRule(tuple(factors), (), (tuple(dims),))
+    return replicate_keys(OpRule(tuple(factors), (), (tuple(dims),)), (dtype,))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +160,7 @@ def problem_nodes(graph: OpGraph, mesh: LogicalMesh, *, rules: Sequence[OpRule],
 
     for p in graph.parameters:
         node_for(p.tensor, input_nodes, canon_in, f"in:{p.arg_index}/{p.path}",
-                 lambda p=p: enumerate_cached(tensor_rule(p.shape)))
+                 lambda p=p: enumerate_cached(tensor_rule(p.shape, p.dtype)))
     followers: list[Follower] = []
     # The ops of repeated blocks ask the same question: (rule, position, leader shardings).
     follow_cache: dict[tuple, tuple[OpStrategy, ...] | None] = {}

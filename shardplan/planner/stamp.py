@@ -9,22 +9,23 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 
 from shardplan.cluster import Cluster
 from shardplan.plan import Plan
+from shardplan.trace.dtypes import dtype_name
 
 __all__ = ["arg_types", "cluster_info", "memory_budgets", "stamped", "type_text"]
 
 
 def type_text(shape: tuple[int, ...], dtype: Any) -> str:
-    """``"float32[8,16]"`` (``"int32[]"`` for a scalar): how plans write an argument leaf's type.
+    """``"float32[8,16]"`` (``"int32[]"`` for a scalar, ``"key<fry>[]"`` for a PRNG key): how
+    plans write an argument leaf's type.
 
     Example:
       >>> type_text((8, 16), "float32")
       'float32[8,16]'
     """
-    return f"{np.dtype(dtype).name}[{','.join(map(str, shape))}]"
+    return f"{dtype_name(dtype)}[{','.join(map(str, shape))}]"
 
 
 def arg_types(tree: Any, /) -> dict[str, str]:

@@ -77,7 +77,8 @@ def signature(state: Any, batch: Any, /) -> Signature:
     types = []
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
-            types.append((leaf.shape, leaf.dtype, leaf.weak_type))  # 10x faster than typeof
+            # 10x faster than typeof; a PRNG key array has no weak_type (keys are never weak)
+            types.append((leaf.shape, leaf.dtype, getattr(leaf, "weak_type", False)))
         else:
             types.append(_leaf_type(i, leaf, (state, batch)))
     return treedef, tuple(types)

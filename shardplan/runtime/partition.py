@@ -57,7 +57,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-import numpy as np
 from jax.extend import core as jcore
 
 from shardplan.errors import PipelineError, format_error
@@ -65,6 +64,7 @@ from shardplan.kernels.registry import PREFIX as KERNEL_PREFIX
 from shardplan.runtime.accumulate import StepSplit, autodiff_phase
 from shardplan.runtime.constrain import Pins, run_pinned
 from shardplan.runtime.rows import RowSplit, Runs, bind
+from shardplan.trace.dtypes import nbytes as array_nbytes
 
 __all__ = ["Program", "VirtualStages", "gradient_programs", "row_runs", "update_programs",
            "virtual_stages"]
@@ -759,7 +759,7 @@ def update_programs(split: StepSplit, read_at: Mapping[int, int], cut_at: Sequen
                                                            *read_at.values()]))}
 
     def nbytes(v: Any) -> int:
-        return int(np.prod(v.aval.shape, dtype=np.int64)) * np.dtype(v.aval.dtype).itemsize
+        return array_nbytes(v.aval.shape, v.aval.dtype)
 
     def pick(e: Any) -> int | None:
         weight: dict[int, int] = {}
@@ -833,7 +833,7 @@ def update_programs(split: StepSplit, read_at: Mapping[int, int], cut_at: Sequen
         for v in e.invars:
             if _is_var(v):
                 group_readers.setdefault(v, set()).add(g)
-    final = set(jaxpr.outvars)
+    final = {v for v in jaxpr.outvars if _is_var(v)}  # a literal output (a reset counter)
     sources: dict[Any, Input] = {v: ("state", j) for v, j in state_index.items()}
     sources.update({v: ("cut", i) for i, v in enumerate(jaxpr.invars[n_state:])})
     # The new state leaves (the step returns the new state first) stay in their home stage's

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -262,8 +261,7 @@ def _build(flat: FlatGraph, phases: list[Phase], input_paths: dict[int, str],
            output_paths: list[str], name: str) -> OpGraph:
     shapes, dtypes = flat.tensor_shapes, flat.tensor_dtypes
     n_tensors = len(shapes)
-    nbytes_of = [_nbytes(shape, dtype) for shape, dtype in flat.signatures]
-    nbytes = list(map(nbytes_of.__getitem__, flat.tensor_signatures))
+    nbytes = list(map(flat.signature_bytes.__getitem__, flat.tensor_signatures))
     tensors = tuple(map(TensorDraft.freeze, map(
         TensorDraft, range(n_tensors), shapes, dtypes, flat.tensor_producers, nbytes)))
     consumers: list[list[int]] = [[] for _ in range(n_tensors)]
@@ -305,21 +303,6 @@ def _build(flat: FlatGraph, phases: list[Phase], input_paths: dict[int, str],
                    parameters=parameters, layers=tuple(layers),
                    unknown_primitives=tuple(flat.unknown_primitives),
                    notes=tuple(flat.notes) + assignment.notes)
-
-
-@functools.lru_cache(maxsize=256)
-def _itemsize(dtype: str) -> int:
-    try:
-        return np.dtype(dtype).itemsize
-    except TypeError:  # extended dtypes (PRNG keys)
-        return 8
-
-
-def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
-    n = _itemsize(dtype)
-    for d in shape:
-        n *= d
-    return n
 
 
 def _arg_index(full_path: str) -> int:

@@ -12,7 +12,6 @@ the loop body stays visible.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import math
 import operator
@@ -27,6 +26,7 @@ from jax.extend import source_info_util
 from shardplan.kernels.registry import PREFIX as KERNEL_PREFIX
 from shardplan.kernels.registry import PRIMITIVE as KERNEL
 from shardplan.kernels.registry import recorded, rule_for
+from shardplan.trace.dtypes import dtype_name
 from shardplan.trace.flops import (
     ELEMENTWISE,
     KNOWN_PRIMITIVES,
@@ -71,6 +71,9 @@ class FlatGraph:
     # per tensor, a signature id: equal ids, equal (shape, dtype) pairs (and equal bytes)
     tensor_signatures: list[int]
     signatures: list[tuple[tuple[int, ...], str]]  # per signature id, the pair
+    # per signature id, the bytes of a value of it (read off the dtype itself: a PRNG key's
+    # are its key data's, whatever its implementation)
+    signature_bytes: list[int]
     inputs: list[int]
     outputs: list[int | None]
     # loop id -> outer tensor ids sliced per iteration (scan xs) by that loop
@@ -78,14 +81,6 @@ class FlatGraph:
     loop_lengths: dict[int, int]
     unknown_primitives: list[tuple[str, str]]
     notes: list[str]
-
-
-@functools.lru_cache(maxsize=256)
-def _dtype_name(dtype: Any) -> str:
-    try:
-        return np.dtype(dtype).name
-    except TypeError:
-        return str(dtype)
 
 
 class _SourceCache:
@@ -189,7 +184,7 @@ class _Builder:
 
     def _signature(self, aval: Any) -> tuple[int, int]:
         pair = (tuple(map(int, getattr(aval, "shape", ()))),
-                _dtype_name(getattr(aval, "dtype", "float32")))
+                dtype_name(getattr(aval, "dtype", "float32")))
         size = nbytes(aval)
         sig = self._pair_ids.get((pair, size))
         if sig is None:
@@ -690,7 +685,7 @@ def flatten_jaxpr(closed_jaxpr: Any) -> FlatGraph:
         tensor_shapes=[b.pairs[s][0] for s in b.sigs],
         tensor_dtypes=[b.pairs[s][1] for s in b.sigs],
         tensor_producers=b.producers, tensor_signatures=b.sigs,
-        signatures=b.pairs,
+        signatures=b.pairs, signature_bytes=b.pair_bytes,
         inputs=[t for t in in_ids if t is not None], outputs=outs, loop_xs=b.loop_xs,
         loop_lengths=b.loop_lengths, unknown_primitives=sorted(b.unknown.items()),
         notes=b.notes)

@@ -28,7 +28,6 @@ Bytes are counted as every non-literal operand read once and every result writte
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -37,6 +36,7 @@ import numpy as np
 
 from shardplan.kernels.registry import PRIMITIVE as KERNEL
 from shardplan.kernels.registry import rule_for
+from shardplan.trace.dtypes import itemsize
 
 __all__ = [
     "ELEMENTWISE",
@@ -130,17 +130,8 @@ def _nbytes(aval: Any) -> int:
         return 0
     # A numpy dtype is its own np.dtype(); other dtypes go the slow way, cached (hashing a
     # dtype costs about as much as np.dtype, and a large train step has 10^5 operands).
-    itemsize = dtype.itemsize if isinstance(dtype, np.dtype) else _itemsize(dtype)
-    return int(math.prod(shape)) * itemsize
-
-
-@functools.lru_cache(maxsize=256)
-def _itemsize(dtype: Any) -> int:
-    """Bytes per element."""
-    try:
-        return int(np.dtype(dtype).itemsize)
-    except TypeError:  # extended dtypes (PRNG keys): count their underlying words
-        return int(getattr(dtype, "itemsize", 8))
+    size = dtype.itemsize if isinstance(dtype, np.dtype) else itemsize(dtype)
+    return int(math.prod(shape)) * size
 
 
 def _dot_flops(in_avals: Sequence[Any], out_avals: Sequence[Any],

@@ -14,6 +14,8 @@ import functools
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from shardplan.trace.dtypes import nbytes
+
 __all__ = ["Layer", "Op", "OpGraph", "Parameter", "Phase", "Role", "Tensor"]
 
 Phase = Literal["forward", "backward", "recompute", "update", "other"]
@@ -135,7 +137,8 @@ class Parameter:
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self.shape, self.dtype)
+        """Bytes of the leaf (a PRNG key's: its key data)."""
+        return nbytes(self.shape, self.dtype)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -232,15 +235,6 @@ class TensorDraft:
         """The tensor, frozen: this object, now a :class:`Tensor`."""
         self.__class__ = Tensor  # type: ignore[assignment]
         return self  # type: ignore[return-value]
-
-
-def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
-    import numpy as np
-
-    n = 1
-    for d in shape:
-        n *= d
-    return n * np.dtype(dtype).itemsize
 
 
 @dataclasses.dataclass(frozen=True)

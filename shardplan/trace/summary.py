@@ -32,7 +32,7 @@ def graph_summary(g: OpGraph) -> str:
         acc = by_role.setdefault(p.role, [0, 0, 0])
         acc[0] += 1
         acc[1] += n
-        acc[2] += p.nbytes
+        acc[2] += g.tensors[p.tensor].nbytes
     lines.append("")
     lines.append(f"{'inputs by role':<18}{'leaves':>8}{'elements':>14}{'bytes':>12}")
     for role in ("parameter", "optimizer_state", "other", "unused"):

@@ -17,6 +17,8 @@ Each step directory holds these items:
   arrays); the process holding each writes it as ``<leaf index>.npy``;
 - ``tree``: every leaf's key path, shape, dtype and item, checked before restoring
   (:class:`CheckpointError` naming the first differing leaves instead of an orbax traceback);
+  a PRNG key array (``key<fry>``, which orbax cannot write) is stored as its key data
+  (``jax.random.key_data``) and wrapped again, with its implementation, on restore;
 - ``meta``: the caller's JSON (data position, fingerprints, plan hash, config).
 
 Restoring reads the arrays straight into the target's shardings (``jax.ShapeDtypeStruct``s with a
@@ -44,11 +46,11 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers
 
 from shardplan.errors import CheckpointError, ConfigError, format_error
+from shardplan.trace.dtypes import dtype_name, is_prng_key
 from shardplan.train._owned import (
     OwnedHandler,
     OwnedRestore,
@@ -134,7 +136,22 @@ def _info(parts: tuple[str, ...], leaf: Any, what: str) -> LeafInfo:
                 remedy="keep only arrays in the state (jnp.asarray(x) for Python numbers)",
             )
         )
-    return LeafInfo(path, tuple(int(d) for d in leaf.shape), str(np.dtype(leaf.dtype)))
+    return LeafInfo(path, tuple(int(d) for d in leaf.shape), dtype_name(leaf.dtype))
+
+
+def _stored(leaf: Any) -> Any:
+    """What orbax writes for a state leaf: a PRNG key array's key data (``uint32``, the key's
+    words as a trailing dimension), else the leaf itself."""
+    return jax.random.key_data(leaf) if is_prng_key(leaf.dtype) else leaf
+
+
+def _stored_target(target: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    """The abstract array orbax reads ``target``'s leaf from (:func:`_stored`), on the
+    target's sharding (which leaves the key words' dimension whole)."""
+    if not is_prng_key(target.dtype):
+        return target
+    data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(target.shape, target.dtype))
+    return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=target.sharding)
 
 
 def leaf_infos(tree: Any, /) -> list[LeafInfo]:
@@ -188,7 +205,7 @@ def abstract_target(state: Any, shardings: Any, /) -> Any:
                     "NamedSharding from the plan's state shardings)",
                 )
             )
-        out.append(jax.ShapeDtypeStruct(info.shape, np.dtype(info.dtype), sharding=sharding))
+        out.append(jax.ShapeDtypeStruct(info.shape, leaf.dtype, sharding=sharding))
     return jax.tree.unflatten(treedef, out)
 
 
@@ -396,6 +413,7 @@ class Checkpointer:
             )
         leaves, _ = _flatten(state)
         infos = [_info(parts, leaf, "state") for parts, leaf in leaves]
+        leaves = [(parts, _stored(leaf)) for parts, leaf in leaves]
         owned = {str(n): leaf for n, (_, leaf) in enumerate(leaves) if one_process(leaf)}
         shared = [(parts, leaf) for n, (parts, leaf) in enumerate(leaves) if str(n) not in owned]
         tree = {
@@ -550,7 +568,7 @@ class Checkpointer:
                     )
                 ) from err
             abstract.append(
-                (parts, jax.ShapeDtypeStruct(info.shape, np.dtype(info.dtype), sharding=sharding))
+                (parts, jax.ShapeDtypeStruct(info.shape, leaf.dtype, sharding=sharding))
             )
         saved, items, meta = self._read_json(step)
         differences = _differences(saved, [_info(p, leaf, "target") for p, leaf in abstract])
@@ -565,9 +583,12 @@ class Checkpointer:
                 )
             )
         try:
-            values = self._read_arrays(step, abstract, saved, items)
+            values = self._read_arrays(
+                step, [(parts, _stored_target(t)) for parts, t in abstract], saved, items)
         except Exception as err:  # orbax/tensorstore raise many kinds; all mean unreadable
             raise self._corrupt(step, err) from err
+        values = [jax.random.wrap_key_data(v, dtype=t.dtype) if is_prng_key(t.dtype) else v
+                  for v, (_, t) in zip(values, abstract, strict=True)]
         return Restored(step, jax.tree.unflatten(treedef, values), meta)
 
     def _read_arrays(

@@ -41,6 +41,7 @@ from shardplan.plan import Plan, load_plan
 from shardplan.planner.single import make_plan
 from shardplan.runtime.spmd import apply_plan, state_shardings
 from shardplan.runtime.verify import check_plan
+from shardplan.trace.dtypes import itemsize
 from shardplan.train._hosts import everywhere, from_main, is_main
 from shardplan.train.checkpoint import Checkpointer, abstract_target
 from shardplan.train.config import RunConfig
@@ -186,7 +187,7 @@ def _sampler_state(forward: Callable[..., Any], state: Any, plan: Plan, seq_len:
     layouts = [_sampling_sharding(x, mesh) for x in picked]
     # what each device would hold (alike on a 1-D mesh), checked before anything is placed
     held = sum(int(np.prod(sh.shard_shape(np.shape(x)), dtype=np.int64))
-               * np.dtype(x.dtype).itemsize for x, sh in zip(picked, layouts, strict=True))
+               * itemsize(x.dtype) for x, sh in zip(picked, layouts, strict=True))
     budgets: Any = plan.solver.get("memory_budget_bytes", {})
     budget = budgets.get(kind)
     if budget is not None and held > budget:
