@@ -15,7 +15,15 @@ from typing import Any, TypeVar
 
 from shardplan.errors import ConfigError, PlanMismatchError, ShardplanError, format_error
 
-__all__ = ["FrozenMap", "Spec", "as_spec", "natural_key"]
+__all__ = ["ACCUMULATIONS", "FrozenMap", "Spec", "as_spec", "natural_key"]
+
+ACCUMULATIONS = ("exact", "per_microbatch")
+"""How a plan's microbatches combine (``Plan.accumulation``, ``PlanConfig.accumulation``):
+``"exact"``, the microbatched step equals the whole-batch step up to float rounding (a step
+that draws random numbers over the batch or uses batch statistics then runs whole batches);
+``"per_microbatch"``, gradient accumulation: each microbatch draws random numbers with its own
+key (the step's key folded with the index of its first sample) and computes its own batch
+statistics."""
 
 Spec = tuple[tuple[str, ...], ...]
 """A sharding: per array dimension, the mesh axes it is split over (``()``: replicated)."""

@@ -54,9 +54,9 @@ _NO_SOURCE = "<plan JSON>"
 # Keys of each JSON object: (required, optional). Optional keys take the dataclass default.
 _PLAN_KEYS = ({"schema_version", "shardplan_version", "graph_fingerprint", "cluster_hash",
                "config_hash", "stages", "param_specs", "batch_specs", "predicted", "solver"},
-              {"constraints", "microbatches", "schedule", "notes", "microbatch_size", "chunks",
-               "replicas", "layouts", "state_types", "batch_types", "cluster_info", "compiled",
-               "measured"})
+              {"constraints", "microbatches", "schedule", "accumulation", "notes",
+               "microbatch_size", "chunks", "replicas", "layouts", "state_types", "batch_types",
+               "cluster_info", "compiled", "measured"})
 _STAGE_KEYS = ({"index", "device_type", "mesh", "layers"}, {"remat", "replica", "layout"})
 _REPLICA_KEYS = ({"stages", "microbatches"}, set[str]())
 _LAYOUT_KEYS = ({"param_specs", "batch_specs"}, {"kernel_specs"})
@@ -115,6 +115,7 @@ def plan_to_dict(plan: Plan, /, *, volatile: bool = True) -> dict[str, Any]:
                         for k, (stage, results, operands) in plan.constraints.items()},
         "microbatches": plan.microbatches,
         "schedule": plan.schedule,
+        "accumulation": plan.accumulation,
         "microbatch_size": plan.microbatch_size,
         "chunks": plan.chunks,
         "replicas": [{"stages": list(r.stages), "microbatches": r.microbatches}
@@ -367,7 +368,8 @@ def _plan_from_data(data: object) -> Plan:
         # Before the key checks: another version's keys would be reported as unknown.
         check_schema_version(data["schema_version"], made_by=data.get("shardplan_version"))
     d = _object(data, _PLAN_KEYS, where="plan")
-    defaults = {"constraints": {}, "microbatches": 1, "schedule": "none", "notes": [],
+    defaults = {"constraints": {}, "microbatches": 1, "schedule": "none",
+                "accumulation": "exact", "notes": [],
                 "microbatch_size": 0, "chunks": 1, "replicas": [], "layouts": {},
                 "state_types": {}, "batch_types": {}, "cluster_info": {}, "compiled": {},
                 "measured": {}}
@@ -385,6 +387,7 @@ def _plan_from_data(data: object) -> Plan:
         constraints=_constraints(d["constraints"], where="plan.constraints"),
         microbatches=d["microbatches"],
         schedule=d["schedule"],
+        accumulation=d["accumulation"],
         microbatch_size=d["microbatch_size"],
         chunks=d["chunks"],
         replicas=tuple(_replica(r, where=f"plan.replicas[{i}]")

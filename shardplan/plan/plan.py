@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from shardplan.plan._values import (
+    ACCUMULATIONS,
     FrozenMap,
     Spec,
     _check_float,
@@ -324,6 +325,9 @@ class Plan:
         accumulation).
       schedule: pipeline schedule: ``"none"`` for a single stage, else ``"gpipe"``, ``"1f1b"`` or
         ``"interleaved"``.
+      accumulation: how the microbatches combine (:data:`ACCUMULATIONS`): ``"exact"`` or
+        ``"per_microbatch"`` (gradient accumulation semantics); the reason a step runs whole
+        batches is in :attr:`notes`.
       microbatch_size: samples per microbatch (``0``: the batch divided by ``microbatches``).
       chunks: model chunks per stage under the interleaved schedule (else 1).
       replicas: the data-parallel replicas, each with its stages and microbatch count (they
@@ -366,6 +370,7 @@ class Plan:
         dataclasses.field(default_factory=dict))
     microbatches: int = 1
     schedule: str = "none"
+    accumulation: str = "exact"
     microbatch_size: int = 0
     chunks: int = 1
     replicas: tuple[ReplicaSpec, ...] = ()
@@ -399,6 +404,10 @@ class Plan:
             _check_str(getattr(self, name), where=f"plan.{name}", empty_ok=True)
         _check_int(self.microbatches, where="plan.microbatches", minimum=1)
         _check_str(self.schedule, where="plan.schedule")
+        if self.accumulation not in ACCUMULATIONS:
+            raise _config_error(
+                "plan.accumulation is not one the runtime knows.", where="plan.accumulation",
+                value=self.accumulation, remedy=f"one of {', '.join(ACCUMULATIONS)}")
         _check_int(self.microbatch_size, where="plan.microbatch_size")
         _check_int(self.chunks, where="plan.chunks", minimum=1)
         if not isinstance(self.predicted, Predicted):

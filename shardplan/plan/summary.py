@@ -287,7 +287,16 @@ def _header(plan: Plan) -> list[str]:
         f"graph {plan.graph_fingerprint[:_HASH_CHARS] or '-'}, "
         f"cluster {plan.cluster_hash[:_HASH_CHARS] or '-'}, "
         f"config {plan.config_hash[:_HASH_CHARS] or '-'}",
+        *([f"  accumulation: {_ACCUMULATION[plan.accumulation]}"]
+          if plan.microbatches > 1 or plan.accumulation != "exact" else []),
     ]
+
+
+_ACCUMULATION = {
+    "exact": "exact (the microbatches' gradients and metrics add up to the whole batch's)",
+    "per_microbatch": "gradient accumulation semantics (each microbatch draws its own random "
+                      "numbers and computes its own batch statistics)",
+}
 
 
 MAX_STAGE_ROWS = 16

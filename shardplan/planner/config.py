@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from shardplan.errors import ConfigError, format_error, unknown_key
+from shardplan.plan._values import ACCUMULATIONS
 from shardplan.solver.pipeline import REMATS, SCHEDULES, Remat, Schedule
 
 __all__ = ["PlanConfig", "conform"]
@@ -72,6 +73,17 @@ class PlanConfig:
         (:class:`~shardplan.errors.TraceError` naming each and its source line); ``False``
         plans them with their operands and results replicated and warns
         (:class:`~shardplan.errors.ShardplanWarning`).
+      accumulation: how a multi-stage plan's microbatches (and data-parallel replicas)
+        combine. ``"exact"`` (the default): the pipelined step equals the whole-batch step;
+        a step that draws random numbers over the batch (dropout) or uses batch statistics
+        in its forward pass (BatchNorm) is planned with one microbatch per replica and one
+        replica (whole-batch stages; the plan's notes say why), and a loss normalised by a
+        sum over the batch (``sum(ce * w) / sum(w)``) is exact with any microbatches (the
+        sum is taken over the whole batch first). ``"per_microbatch"``: gradient
+        accumulation semantics, as a training loop accumulating over the plan's
+        microbatches computes it: each microbatch draws random numbers with the step's key
+        folded with the index of its first sample (deterministic, but dependent on the
+        plan's microbatch size) and computes its own batch statistics.
 
     Unknown keyword arguments are a :class:`~shardplan.errors.ConfigError` with a
     did-you-mean; :meth:`from_dict` builds a config from a mapping (a YAML file's).
@@ -97,6 +109,7 @@ class PlanConfig:
     respect_annotations: bool = False
     axis_rules: tuple[tuple[str, str | None], ...] = ()
     strict: bool = True
+    accumulation: Literal["exact", "per_microbatch"] = "exact"
 
     def __new__(cls, *args: Any, **kwargs: Any) -> PlanConfig:
         # dataclass's __init__ would raise a bare TypeError for an unknown keyword.
@@ -168,6 +181,8 @@ class PlanConfig:
              and self.stage_work_limit >= 0, "an integer >= 0"),
             ("respect_annotations", isinstance(self.respect_annotations, bool), "True or False"),
             ("strict", isinstance(self.strict, bool), "True or False"),
+            ("accumulation", self.accumulation in ACCUMULATIONS,
+             " or ".join(repr(a) for a in ACCUMULATIONS)),
             ("axis_rules", isinstance(self.axis_rules, tuple) and all(
                 isinstance(r, tuple) and len(r) == 2 and isinstance(r[0], str)
                 and (r[1] is None or isinstance(r[1], str)) for r in self.axis_rules),

@@ -48,6 +48,7 @@ from shardplan.solver.pipeline import (
 )
 from shardplan.solver.portfolio import PipelineChoice, plan_pipeline
 from shardplan.solver.simulate import simulate
+from shardplan.trace.batch import BatchUse, batch_use
 from shardplan.trace.graph import OpGraph
 
 if TYPE_CHECKING:
@@ -276,6 +277,19 @@ def make_pipeline_plan(train_step: Callable[..., Any], state: Any, batch: Any, /
     from shardplan.planner.single import check_primitives
 
     check_primitives(graph, strict=config.strict)
+    looked = time.perf_counter()
+    # how microbatches of this step combine (trace/batch.py): where a microbatch's result
+    # would differ from the batch's, one microbatch per replica and one replica
+    use = (batch_use(train_step, state, microbatch_of(batch, reference)) if global_batch > 1
+           else BatchUse())  # one sample: nothing to cut
+    sizes = config.microbatch_sizes or None
+    refused = use.refusal(config.accumulation)
+    if refused is not None:
+        if sizes and global_batch not in sizes:
+            raise use.refusal_error(
+                config.accumulation,
+                what=f"PlanConfig.microbatch_sizes={list(sizes)} (batch {global_batch})")
+        sizes = (global_batch,)
     traced = time.perf_counter()
     costs = layer_costs(graph, cluster, reference_batch=reference,
                         max_mesh_axes=config.max_mesh_axes, time_limit_s=config.time_limit_s,
@@ -284,7 +298,7 @@ def make_pipeline_plan(train_step: Callable[..., Any], state: Any, batch: Any, /
     memory = [memory_budget(config, group.device.memory_bytes) for group in cluster.groups]
     problem = pipeline_problem(
         costs, cluster, batch=global_batch, memory_bytes=memory,
-        microbatch_sizes=config.microbatch_sizes or None,
+        microbatch_sizes=sizes,
         schedules=config.schedules, remats=config.remats, chunks=config.chunks,
         max_stages=config.max_stages)
     problem = dataclasses.replace(problem, objective=config.objective,
@@ -294,10 +308,40 @@ def make_pipeline_plan(train_step: Callable[..., Any], state: Any, batch: Any, /
     choice = plan_pipeline(problem)
     if not choice.stats.optimal:
         _warn_gap(choice, problem)
-    timings = {"trace_s": traced - start, "layer_tables_s": tabled - traced,
+    timings = {"trace_s": looked - start, "batch_use_s": traced - looked,
+               "layer_tables_s": tabled - traced,
                "stage_planner_s": time.perf_counter() - tabled,
                **{f"stage_planner.{k}": v for k, v in choice.timings.items()}}
-    return _pipeline_plan(graph, cluster, config, costs, problem, choice, timings, start)
+    return _pipeline_plan(graph, cluster, config, costs, problem, choice, timings, start,
+                          accumulation_notes(use, config.accumulation))
+
+
+def accumulation_notes(use: BatchUse, accumulation: str, /) -> list[str]:
+    """The plan's notes on how its microbatches combine (``use``: the step's batch use)."""
+    notes = []
+    refused = use.refusal(accumulation)
+    if refused is not None:
+        why, where = refused
+        notes.append(
+            f"Whole-batch stages (one replica, one microbatch): the step {why} ({where}), so "
+            "a microbatch's result would differ from the whole batch's. "
+            "PlanConfig(accumulation=\"per_microbatch\") allows microbatches with gradient "
+            "accumulation semantics.")
+    elif use.random or use.statistics:
+        what = " and ".join(w for w, found in (
+            ("draws its random numbers with the step's key folded with the index of its "
+             "first sample", use.random),
+            ("computes its own batch statistics", use.statistics)) if found)
+        notes.append(
+            "Gradient accumulation semantics (PlanConfig.accumulation=\"per_microbatch\"): "
+            f"each microbatch {what}, so the step's result depends on the microbatch size; "
+            "it is deterministic.")
+    for f in use.normaliser_findings:
+        notes.append(
+            f"Exact accumulation of a normalised loss: the sum over the batch at {f.where} "
+            "scales every sample's share; it is summed over the whole batch before the "
+            "microbatches run.")
+    return notes
 
 
 def _warn_gap(choice: PipelineChoice, problem: PipelineProblem) -> None:
@@ -308,14 +352,18 @@ def _warn_gap(choice: PipelineChoice, problem: PipelineProblem) -> None:
 
     ev, stats = choice.evaluation, choice.stats
     value = ev.cost_per_step if problem.objective == "cost" else ev.step_time_s
-    gap = (value - stats.lower_bound) / value if value > 0 else 0.0
+    # A bound of 0 (or none) proves nothing: "within 100 %" would misread as a measured gap.
+    proven = math.isfinite(stats.lower_bound) and stats.lower_bound > 0 and value > 0
+    gap = max(0.0, value - stats.lower_bound) / value if proven else math.inf
+    bound = (f"within {100 * gap:.1f} % of a proven lower bound" if gap < 1.0
+             else "no lower bound proven")
     by_work = 0 < problem.work_limit < stats.work
     limit = (f"work limit of {problem.work_limit:,} units" if by_work
              else f"{problem.time_limit_s:g} s limit")
     field = "stage_work_limit" if by_work else "stage_time_limit_s"
     warnings.warn(format_error(
-        f"The stage planner reached its {limit}: the plan is the best "
-        f"found, within {100 * gap:.1f} % of the proven lower bound, not proven optimal.",
+        f"The stage planner reached its {limit}: the plan is the best found, {bound}; "
+        "not proven optimal.",
         where=f"PlanConfig.{field}",
         value=problem.work_limit if by_work else problem.time_limit_s,
         remedy=f"raise PlanConfig.{field} to search longer"), ShardplanWarning,
@@ -337,7 +385,8 @@ def _layout_name(group: str, axis_names: Sequence[str], axis_sizes: Sequence[int
 
 def _pipeline_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, costs: LayerCosts,
                    problem: PipelineProblem, solution: PipelineChoice,
-                   timings: dict[str, float], start: float) -> Plan:
+                   timings: dict[str, float], start: float,
+                   accumulation: Sequence[str] = ()) -> Plan:
     """The :class:`Plan` of a stage-planner solution."""
     from shardplan.planner.single import _version, graph_fingerprint
 
@@ -431,7 +480,7 @@ def _pipeline_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, costs: 
              f"{costs.reference_batch} sample(s); times and activations scale linearly with "
              "the microbatch size.",
              "Collective counts are not predicted for pipeline plans yet: see each layout's "
-             "intra-op solution."]
+             "intra-op solution.", *accumulation]
     if simulation is not None:  # the simulator played this plan: keep its timeline
         played = time.perf_counter()
         timeline = pipeline_timeline(problem, pp, replicas)
@@ -447,7 +496,7 @@ def _pipeline_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, costs: 
         cluster_hash=cluster.content_hash(), config_hash=config.content_hash(),
         stages=tuple(stages), param_specs=param_specs, batch_specs={},
         microbatches=sum(r.microbatches for r in pp.replicas), schedule=pp.schedule,
-        microbatch_size=pp.microbatch_size, chunks=pp.chunks,
+        accumulation=config.accumulation, microbatch_size=pp.microbatch_size, chunks=pp.chunks,
         replicas=tuple(ReplicaSpec(tuple(s), rep.microbatches)
                        for s, rep in zip(replicas, pp.replicas, strict=True)),
         layouts=layouts, predicted=predicted, solver=solver, notes=tuple(notes),

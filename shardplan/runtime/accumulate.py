@@ -54,7 +54,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -64,9 +64,11 @@ import numpy as np
 from jax.extend import core as jcore
 
 from shardplan.errors import ConfigError, PipelineError, format_error
+from shardplan.trace.batch import BatchUse, autodiff_phase, batch_use
 
-__all__ = ["MEAN_SUM_RTOL", "StepSplit", "autodiff_phase", "microbatched", "reduction_kinds",
-           "split_batch", "split_step"]
+__all__ = ["ACCUMULATIONS", "MEAN_SUM_RTOL", "AccumulationForm", "StepSplit",
+           "accumulation_form", "autodiff_phase", "microbatched",
+           "reduction_kinds", "split_batch", "split_step"]
 
 Reduction = Literal["mean", "sum"]
 
@@ -107,17 +109,6 @@ def _is_var(v: Any) -> bool:
     return not isinstance(v, jcore.Literal)
 
 
-def autodiff_phase(eqn: Any) -> str | None:
-    """``"forward"`` or ``"backward"`` for an equation JAX's autodiff emitted (by its name
-    stack), else ``None``."""
-    stack = str(eqn.source_info.name_stack)
-    if "transpose(" in stack:
-        return "backward"
-    if "jvp(" in stack:
-        return "forward"
-    return None
-
-
 def split_step(train_step: Callable[..., Any], state: Any, batch: Any, /, *,
                evaluation: bool = False) -> StepSplit:
     """Cuts ``train_step(state, batch)`` into its gradient and update parts, and checks that the
@@ -144,7 +135,7 @@ def split_step(train_step: Callable[..., Any], state: Any, batch: Any, /, *,
     split = _split(train_step, state, batch, evaluation=evaluation)
     doubled = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct((2 * np.shape(x)[0], *np.shape(x)[1:]),
-                                       np.result_type(getattr(x, "dtype", x))), batch)
+                                       jax.typeof(x).dtype), batch)
     if str(_split(train_step, state, doubled, evaluation=evaluation).update.jaxpr) != str(
             split.update.jaxpr):
         raise PipelineError(format_error(
@@ -264,9 +255,15 @@ def _norm(xs: Sequence[np.ndarray]) -> float:
 
 
 def reduction_kinds(train_step: Callable[..., Any], state: Any, first: Any, second: Any,
-                    split: StepSplit, /) -> tuple[Reduction, ...]:
+                    split: StepSplit, /, *, accumulation: str = "exact"
+                    ) -> tuple[Reduction, ...]:
     """Whether each cut value accumulates as a mean or a sum over microbatches, measured on two
     microbatches (concrete arrays of ``split``'s shapes; the module docstring).
+
+    Under ``accumulation="per_microbatch"`` (gradient accumulation: each microbatch draws its
+    own random numbers and computes its own batch statistics, so the pair's value is not the
+    microbatches' mean or sum) each value takes the nearer of the two, and is refused only
+    where it is nearer neither (off both by more than their distance).
 
     Raises:
       PipelineError: a cut value is neither a mean nor a sum over the batch.
@@ -295,9 +292,11 @@ def reduction_kinds(train_step: Callable[..., Any], state: Any, first: Any, seco
         separation = _norm([(f1[i] + f2[i]) / 2 for i in group])  # |sum - mean|
         mean_err = _norm([f12[i] - (f1[i] + f2[i]) / 2 for i in group])
         sum_err = _norm([f12[i] - (f1[i] + f2[i]) for i in group])
-        if separation == 0.0 or mean_err <= MEAN_SUM_RTOL * separation:
+        rtol = MEAN_SUM_RTOL if accumulation == "exact" else 1.0
+        if separation == 0.0 or (mean_err <= rtol * separation and (
+                accumulation == "exact" or mean_err <= sum_err)):
             continue
-        if sum_err <= MEAN_SUM_RTOL * separation:
+        if sum_err <= rtol * separation:
             for i in group:
                 kinds[i] = "sum"
             continue
@@ -310,8 +309,176 @@ def reduction_kinds(train_step: Callable[..., Any], state: Any, first: Any, seco
             where=f"{what}: off a mean by {mean_err:.3g}, off a sum by {sum_err:.3g} "
                   f"(norm of the value {separation:.3g})",
             remedy="compute it as a mean or a sum over the batch (a maximum or a per-example "
-                   "statistic cannot be split into microbatches)"))
+                   "statistic cannot be split into microbatches), or plan it with one "
+                   "microbatch per replica (PlanConfig.microbatch_sizes=(batch size,))"))
     return tuple(kinds)
+
+
+ACCUMULATIONS = ("exact", "per_microbatch")
+"""The accumulation semantics a plan may ask for (``PlanConfig.accumulation``): ``"exact"``, a
+microbatched step equals the whole-batch step (up to float rounding); ``"per_microbatch"``,
+gradient accumulation: each microbatch draws random numbers with its own key (the step's key
+folded with the index of the microbatch's first sample) and computes its own batch
+statistics."""
+
+
+class AccumulationForm:
+    """The train step rewritten to be cut into microbatches (the module docstring of
+    :mod:`shardplan.trace.batch`): it takes ``(batch, context)`` where it took ``batch``; the
+    context (:meth:`context`) holds, per sample, its index in the step's batch and the whole
+    batch's *normalisers* (sums over the batch that scale each sample's share, such as the
+    token count of a padded-token loss). In the rewritten step each normaliser is the whole
+    batch's, so every microbatch's loss and gradients are its share of the batch's and add up
+    to them exactly; under ``"per_microbatch"`` accumulation each random draw over the batch
+    uses the step's key folded with the index of the microbatch's first sample.
+
+    Attributes:
+      step: ``(state, (batch, context)) -> outputs``.
+      use: what the analysis found.
+    """
+
+    def __init__(self, train_step: Callable[..., Any], use: BatchUse, *, fold: bool) -> None:
+        self._user = train_step
+        self.use = use
+        self._normalisers = use.normalisers
+        self._folds = frozenset(f.top for f in use.random) if fold else frozenset()
+        self._totals: Callable[..., Any] | None = None
+        self._totals_for: Any = None
+
+    def batch_specs(self, specs: Mapping[str, Any]) -> dict[str, Any]:
+        """A plan's batch specs for ``(batch, context)``: the context split like the batch's
+        samples."""
+        lead = next((spec[0] for spec in specs.values() if len(spec)), ())
+        out = {(f"0/{k}" if k else "0"): spec for k, spec in specs.items()}
+        out["1/0"] = (lead,)
+        for k, shape in enumerate(self.use.normaliser_shapes, start=1):
+            out[f"1/{k}"] = (lead,) + ((),) * len(shape)
+        return out
+
+    def context(self, state: Any, batch: Any) -> tuple[Any, ...]:
+        """Per sample of ``batch`` (the step's whole batch): its index, and each normaliser of
+        the whole batch (host arrays)."""
+        size = int(np.shape(jax.tree.leaves(batch)[0])[0])
+        index = np.arange(size, dtype=np.int32)
+        if not self._normalisers:
+            return (index,)
+        key = jax.tree.structure(batch), tuple((np.shape(x), str(jax.typeof(x).dtype))
+                                               for x in jax.tree.leaves(batch))
+        if self._totals is None or self._totals_for != key:
+            self._totals, self._totals_for = self._normaliser_program(state, batch), key
+        totals = self._totals(*jax.tree.leaves(batch))
+        return (index, *(np.broadcast_to(np.asarray(t), (size, *np.shape(t)))
+                         for t in totals))
+
+    def _normaliser_program(self, state: Any, batch: Any) -> Callable[..., Any]:
+        """The step's equations that compute its normalisers, from the batch alone, jitted."""
+        closed = jax.make_jaxpr(self._user)(jax.tree.map(_bare, state),
+                                            jax.tree.map(_bare, batch))
+        jaxpr, n_state = closed.jaxpr, len(jax.tree.leaves(state))
+        producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
+        wanted = [v for i in self._normalisers for v in jaxpr.eqns[i].outvars]
+        keep, todo = set(self._normalisers), list(self._normalisers)
+        while todo:
+            for v in jaxpr.eqns[todo.pop()].invars:
+                j = producer.get(v) if _is_var(v) else None
+                if j is not None and j not in keep:
+                    keep.add(j)
+                    todo.append(j)
+        state_vars = set(jaxpr.invars[:n_state])
+        assert not any(v in state_vars for i in keep for v in jaxpr.eqns[i].invars), (
+            "a normaliser reads the state")
+        info = jaxpr.debug_info
+        names = tuple(info.arg_names or ()) or tuple(f"arg{i}" for i in range(len(jaxpr.invars)))
+        program = jcore.Jaxpr(
+            jaxpr.constvars, jaxpr.invars[n_state:], wanted, [jaxpr.eqns[i] for i in sorted(keep)],
+            debug_info=info._replace(arg_names=names[n_state:], result_paths=tuple(
+                f"normaliser[{k}]" for k in range(len(wanted)))))
+        return jax.jit(jcore.jaxpr_as_fun(jcore.ClosedJaxpr(program, closed.consts)))
+
+    def step(self, state: Any, batched: tuple[Any, tuple[Any, ...]]) -> Any:
+        """The rewritten step (the class docstring), traced at the call's shapes."""
+        batch, context = batched
+        closed, out_shape = jax.make_jaxpr(self._user, return_shape=True)(
+            jax.tree.map(_bare, state), jax.tree.map(_bare, batch))
+        jaxpr = closed.jaxpr
+        replace = {}
+        for k, i in enumerate(self._normalisers, start=1):
+            (var,) = jaxpr.eqns[i].outvars
+            replace[i] = [context[k][0].astype(var.aval.dtype)]
+        outs = _evaluate(jaxpr, closed.consts, [*jax.tree.leaves(state),
+                                                *jax.tree.leaves(batch)],
+                         replace, self._folds, context[0][0])
+        return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+
+def _bare(x: Any) -> Any:
+    aval = jax.typeof(x)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+
+
+def _is_key(x: Any) -> bool:
+    return jax.dtypes.issubdtype(jax.typeof(x).dtype, jax.dtypes.prng_key)
+
+
+def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
+              replace: Mapping[int, list[Any]], folds: frozenset[int], index: Any) -> list[Any]:
+    """``jaxpr`` evaluated (as ``jax.core.eval_jaxpr``, each equation under its own name stack
+    and source line, so the autodiff phases read as before), with the results of the
+    equations in ``replace`` given, and the keys read by the equations in ``folds`` folded
+    with ``index``."""
+    from jax._src import source_info_util
+
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    for i, eqn in enumerate(jaxpr.eqns):
+        if i in replace:
+            env.update(zip(eqn.outvars, replace[i], strict=True))
+            continue
+        values = [read(v) for v in eqn.invars]
+        if i in folds:
+            if not any(_is_key(x) for x in values):
+                raise PipelineError(format_error(
+                    "A random draw over the batch takes no typed key array from the step, so "
+                    "it cannot be folded with the microbatch's index.",
+                    where=source_info_util.summarize(eqn.source_info),
+                    remedy="draw with a typed key (jax.random.key, nnx.Rngs) passed in the "
+                           "state, or wrap a raw key with jax.random.wrap_key_data outside "
+                           "any jit or scan of the step"))
+            values = [jax.random.fold_in(x, index) if _is_key(x) else x for x in values]
+        bound = eqn.primitive.get_bind_params(eqn.params)
+        subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
+        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        with (source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
+              eqn.ctx.manager):
+            out = eqn.primitive.bind(*subfuns, *values, **params)
+        env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results else [out],
+                       strict=True))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def accumulation_form(train_step: Callable[..., Any], state: Any, batch: Any, /, *,
+                      accumulation: str, microbatches: int,
+                      what: str) -> AccumulationForm | None:
+    """The form ``train_step`` runs in when cut into ``microbatches`` (over all replicas) of
+    ``batch``'s shapes (one microbatch), or ``None`` where the step runs as written.
+
+    Raises:
+      PipelineError: the step cannot be cut under ``accumulation`` (random draws or batch
+        statistics under ``"exact"``): :meth:`BatchUse.refusal_error`.
+    """
+    if microbatches == 1:
+        return None
+    use = batch_use(train_step, state, batch)
+    if use.refusal(accumulation) is not None:
+        raise use.refusal_error(accumulation, what=what)
+    fold = accumulation == "per_microbatch" and bool(use.random)
+    if not use.normalisers and not fold:
+        return None
+    return AccumulationForm(train_step, use, fold=fold)
 
 
 def split_batch(batch: Any, microbatches: int, /, *, size: int | None = None) -> list[Any]:
@@ -334,37 +501,49 @@ def split_batch(batch: Any, microbatches: int, /, *, size: int | None = None) ->
             for j in range(microbatches)]
 
 
-def microbatched(train_step: Callable[..., Any], /, *,
-                 microbatches: int) -> Callable[[Any, Any], Any]:
+def microbatched(train_step: Callable[..., Any], /, *, microbatches: int,
+                 accumulation: str = "exact") -> Callable[[Any, Any], Any]:
     """``train_step`` run as ``microbatches`` equal microbatches: the gradient part once per
     microbatch (one compiled program), the cut values accumulated as each is a mean or a sum,
-    the update once. The result equals the step on the whole batch up to float rounding.
+    the update once, in the form :func:`accumulation_form` gives it under ``accumulation``.
+    Under ``"exact"`` the result equals the step on the whole batch up to float rounding;
+    under ``"per_microbatch"`` it is gradient accumulation (the reference a pipelined plan of
+    that accumulation equals).
 
     The split and the reductions are computed on the first call per state and batch shapes.
 
     Raises:
       ConfigError: ``microbatches`` is not a positive integer, or does not divide the batch.
-      PipelineError: the step cannot be cut (see :func:`split_step`, :func:`reduction_kinds`).
+      PipelineError: the step cannot be cut (see :func:`split_step`, :func:`reduction_kinds`,
+        :func:`accumulation_form`).
     """
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ConfigError(format_error(
             "microbatches must be a positive integer.", where="microbatched(microbatches=...)",
             value=microbatches, remedy="pass 1 or more"))
-    compiled: dict[Any, tuple[StepSplit, tuple[Reduction, ...], Any, Any]] = {}
+    compiled: dict[Any, tuple[AccumulationForm | None, StepSplit, tuple[Reduction, ...], Any,
+                              Any]] = {}
 
     def run(state: Any, batch: Any) -> Any:
         parts = split_batch(batch, microbatches)
         key = (jax.tree.structure((state, batch)),
-               tuple((np.shape(x), str(getattr(x, "dtype", type(x))))
+               tuple((np.shape(x), str(jax.typeof(x).dtype))
                      for x in jax.tree.leaves((state, batch))))
+        form = (compiled[key][0] if key in compiled else accumulation_form(
+            train_step, state, parts[0], accumulation=accumulation, microbatches=microbatches,
+            what=f"microbatched(microbatches={microbatches})"))
+        if form is not None:  # the batch with each sample's index and normalisers
+            parts = split_batch((batch, form.context(state, batch)), microbatches)
         if key not in compiled:
-            split = split_step(train_step, state, parts[0])
+            step = form.step if form is not None else train_step
+            split = split_step(step, state, parts[0])
             kinds: tuple[Reduction, ...] = (
-                reduction_kinds(train_step, state, parts[0], parts[1], split)
+                reduction_kinds(step, state, parts[0], parts[1], split,
+                                accumulation=accumulation)
                 if microbatches > 1 else tuple("mean" for _ in split.cut_avals))
-            compiled[key] = (split, kinds, jax.jit(jcore.jaxpr_as_fun(split.gradient)),
+            compiled[key] = (form, split, kinds, jax.jit(jcore.jaxpr_as_fun(split.gradient)),
                              jax.jit(jcore.jaxpr_as_fun(split.update)))
-        split, kinds, gradient, update = compiled[key]
+        _, split, kinds, gradient, update = compiled[key]
         leaves = jax.tree.leaves(state)
         total: list[Any] | None = None
         for mb in parts:

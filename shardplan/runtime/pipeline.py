@@ -95,7 +95,14 @@ from shardplan._traceback import api_boundary
 from shardplan.errors import PipelineError, PlanMismatchError, ShardplanWarning, format_error
 from shardplan.plan import Plan
 from shardplan.plan.plan import Layout, ReplicaSpec
-from shardplan.runtime.accumulate import StepSplit, reduction_kinds, split_batch, split_step
+from shardplan.runtime.accumulate import (
+    AccumulationForm,
+    StepSplit,
+    accumulation_form,
+    reduction_kinds,
+    split_batch,
+    split_step,
+)
 from shardplan.runtime.constrain import Pins, parse_path
 from shardplan.runtime.exchange import Exchange
 from shardplan.runtime.partition import (
@@ -119,6 +126,7 @@ from shardplan.runtime.verify import (
 )
 from shardplan.solver.pipeline import Schedule
 from shardplan.solver.simulate import device_order
+from shardplan.trace.dtypes import itemsize
 
 __all__ = ["PipelinedStep", "placeholder"]
 
@@ -286,8 +294,7 @@ def received(x: Any, sharding: jax.sharding.Sharding) -> int:
     """The bytes the devices of ``sharding`` receive when ``x`` is put there: each device's
     shard, except on a device that holds ``x`` already (a host array: every shard)."""
     held = x.sharding.device_set if isinstance(x, jax.Array) else set()
-    shard = int(np.prod(sharding.shard_shape(np.shape(x)), dtype=np.int64)) * np.dtype(
-        x.dtype).itemsize
+    shard = int(np.prod(sharding.shard_shape(np.shape(x)), dtype=np.int64)) * itemsize(x.dtype)
     return shard * sum(d not in held for d in sharding.device_set)
 
 
@@ -425,6 +432,8 @@ class PipelinedStep:
         self.meshes = self._meshes
         self._mover = _Mover({s: self._meshes[s] for r in self._replicas for s in r.stages})
         self._ready: _Prepared | None = None
+        # the step rewritten to be cut into microbatches, where it must be (accumulate.py)
+        self._form: AccumulationForm | None = None
         self._orders: dict[int, list[tuple[Program, int]]] = {}  # per replica
         self._syncs: dict[tuple[int, int], Program] = {}  # (merged replica, stage) -> its sync
         # the bytes the last call's transfers, batch and gradient exchange (per stage) delivered
@@ -473,14 +482,16 @@ class PipelinedStep:
         plan = self.plan
         # traced on shapes alone: a jaxpr traced on arrays placed on a mesh carries that mesh,
         # and a merged replica's programs run on another
-        split = split_step(self._step, jax.tree.map(_bare, state), parts[0],
+        step = self._form.step if self._form is not None else self._step
+        split = split_step(step, jax.tree.map(_bare, state), parts[0],
                            evaluation=self._parent is not None)
         # (an evaluator's metrics are means by its contract: measuring it as the step's are
         # would run it unsharded on the whole state)
-        kinds = (reduction_kinds(self._step, state, parts[0], parts[1], split)
+        kinds = (reduction_kinds(step, state, parts[0], parts[1], split,
+                                 accumulation=plan.accumulation)
                  if len(parts) > 1 and self._parent is None
                  else tuple("mean" for _ in split.cut_avals))
-        labels, layer_order, stacks, rerun = _labels(self._step, state, parts[0])
+        labels, layer_order, stacks, rerun = _labels(step, state, parts[0])
         n_state = len(jax.tree.leaves(state))
         chunks = plan.chunks if plan.schedule == "interleaved" else 1
         virtual = [virtual_stages([plan.stages[i].layers for i in r.stages], r.stages,
@@ -494,10 +505,12 @@ class PipelinedStep:
             if layout.kernel_specs:  # the stage's kernel calls run split (constrain.Pins)
                 pins[st.index] = Pins.of({parse_path(k): v for k, v in
                                           layout.kernel_specs.items()}, self._meshes[st.index])
+            batch_specs = (self._form.batch_specs(layout.batch_specs)
+                           if self._form is not None else layout.batch_specs)
             shardings[st.index] = (
                 jax.tree.leaves(leaf_shardings(state, layout.param_specs,
                                                self._meshes[st.index], "state")),
-                jax.tree.leaves(leaf_shardings(parts[0], layout.batch_specs,
+                jax.tree.leaves(leaf_shardings(parts[0], batch_specs,
                                                self._meshes[st.index], "batch")))
         for s, (state_sh, batch_sh) in shardings.items():
             if REPLICA in self._meshes[s].axis_names:  # the members' microbatches, joined
@@ -734,6 +747,12 @@ class PipelinedStep:
     def _call(self, state: Any, batch: Any) -> Any:
         total = sum(c * w for c, w in zip(self._counts, self._widths, strict=True))
         parts = split_batch(batch, total, size=self.plan.microbatch_size or None)
+        if self._ready is None:
+            self._form = accumulation_form(
+                self._step, state, parts[0], accumulation=self.plan.accumulation,
+                microbatches=total, what=f"a plan of {total} microbatches")
+        if self._form is not None:  # the batch with each sample's index and normalisers
+            parts = split_batch((batch, self._form.context(state, batch)), total)
         if self._ready is None:
             self._ready = self._prepare(state, parts)
         ready = self._ready

@@ -242,7 +242,9 @@ def apply_plan(train_step: Callable[..., Any], plan: Plan, /, *, verify: bool = 
         was made for (naming the leaves).
       InfeasibleError: at the first call, a compiled program that does not fit its device.
     """
-    if len(plan.stages) > 1 or plan.microbatches > 1:
+    # (a stage planner's plan keeps its shardings in its stages' layouts: the pipeline
+    # runtime reads them, also for one stage and one microbatch)
+    if len(plan.stages) > 1 or plan.microbatches > 1 or plan.layouts:
         from shardplan.runtime.pipeline import PipelinedStep
 
         return PipelinedStep(train_step, plan, verify=verify,  # type: ignore[return-value]
