@@ -5,11 +5,14 @@ source line) and that it gives a remedy. Planning runs on ``ShapeDtypeStruct``s.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import math
 import re
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import fused_qkv_lm
 import jax
@@ -21,6 +24,18 @@ from test_planner_intraop import mlp_step
 import models
 import shardplan as sp
 from shardplan.cost.rules import op_rule
+from shardplan.planner.multi import _warn_gap
+from shardplan.planner.single import _warn_time_limit
+from shardplan.solver import Solution
+from shardplan.solver.pipeline import (
+    REMATS,
+    DeviceGroup,
+    LayerKind,
+    LayerOption,
+    Link,
+    PipelineProblem,
+)
+from shardplan.solver.stages import solve_pipeline
 
 MIXED = {"a100-80g": 4, "v100-32g": 4}
 
@@ -235,8 +250,9 @@ def test_solver_limits_warn_with_the_gap_and_return_the_incumbent() -> None:
     step, state, x = mlp_step(256, 64, 4)
     cluster = sp.Cluster.local(types=MIXED)
     with pytest.warns(sp.ShardplanWarning,
-                      match=r"(?s)work limit of 1 units.*within \d+\.\d % of the proven lower "
-                            r"bound.*PlanConfig.stage_work_limit.*raise"):
+                      match=r"(?s)work limit of 1 units: the plan is the best found, within "
+                            r"\d+\.\d % of a proven lower bound; not proven optimal\."
+                            r".*PlanConfig.stage_work_limit.*raise"):
         cut = sp.make_plan(step, state, x, cluster=cluster,
                            config=sp.PlanConfig(stage_work_limit=1))
     best = sp.make_plan(step, state, x, cluster=cluster)
@@ -251,12 +267,70 @@ def test_solver_limits_warn_with_the_gap_and_return_the_incumbent() -> None:
         "name": "h100", "device": "h100-sxm", "nodes": 1, "devices_per_node": 8,
         "intra_node": {"bandwidth_GB_s": 450.0, "latency_us": 2.0}}]})
     with pytest.warns(sp.ShardplanWarning,
-                      match=r"(?s)0.001 s limit.*within \d+\.\d % of the proven lower bound"
+                      match=r"(?s)0.001 s limit: the sharding is the best found, within "
+                            r"\d+\.\d % of a proven lower bound; not proven optimal\."
                             r".*PlanConfig.time_limit_s.*raise"):
         plan = sp.make_plan(step, state, ids, cluster=node,
                             config=sp.PlanConfig(time_limit_s=0.001, relative_gap=0.0,
                                                  tie_periods=(1,)))
     assert plan.solver["status"] == "feasible" and plan.solver["gap"] > 0
+
+
+def _split_problem(**limits: Any) -> PipelineProblem:
+    """Two layers on two one-device groups: layer 0 runs only on group x, layer 1 only on y.
+    The quick plans (replicas on one group) find nothing; the one plan is a 2-stage pipeline
+    x -> y, which only the exact search builds."""
+    def option() -> LayerOption:
+        return LayerOption(1, (0.0, 0.5), (0.0, 0.5), dict.fromkeys(REMATS, (0.0, 0.0)),
+                           dict.fromkeys(REMATS, 0.0), 0.0, 0.0)
+
+    free = Link(1.0, 0.0)
+    kinds = (LayerKind("a", {0: (option(),)}, 0.0, 0.0), LayerKind("b", {1: (option(),)}, 0.0, 0.0))
+    groups = (DeviceGroup("x", 1, 1, 100.0, 1.0, free, free),
+              DeviceGroup("y", 1, 1, 100.0, 1.0, free, free))
+    return PipelineProblem(kinds, (0, 1), groups, free, batch=2, microbatch_sizes=(1,),
+                           **limits)
+
+
+def test_a_stage_planner_out_of_budget_before_any_plan_names_the_plan_config_limits() -> None:
+    assert solve_pipeline(_split_problem()).stats.optimal  # a plan exists
+    with pytest.raises(sp.SolverError) as info:
+        solve_pipeline(_split_problem(work_limit=1, time_limit_s=60.0))
+    message = str(info.value)
+    assert message.startswith("The stage planner found no plan within its budget (")
+    assert "of 1 work units, time limit 60 s) and could not prove that none exists." in message
+    got = _fields(message)
+    assert got["where"] == "PlanConfig.stage_work_limit, PlanConfig.stage_time_limit_s"
+    assert got["value"] == "{'stage_work_limit': 1, 'stage_time_limit_s': 60.0}"
+    assert got["fix"].startswith("raise PlanConfig.stage_work_limit (0: no limit) or "
+                                 "PlanConfig.stage_time_limit_s")
+    assert "PipelineProblem" not in message
+
+
+@pytest.mark.parametrize("bound", [0.0, math.inf], ids=["zero", "none"])
+def test_a_solver_limit_without_a_proven_lower_bound_says_so(bound: float) -> None:
+    # A bound of 0 (or none) proves nothing: the warnings say "no lower bound proven", never
+    # "within 100.0 % of the lower bound". Cheap inputs: each warning's own helper.
+    solved = solve_pipeline(_split_problem())
+    cut = SimpleNamespace(evaluation=solved.evaluation, stats=dataclasses.replace(
+        solved.stats, optimal=False, lower_bound=bound, work=5))
+    with pytest.warns(sp.ShardplanWarning) as record:
+        _warn_gap(cut, _split_problem(work_limit=2))  # type: ignore[arg-type]
+    (message,) = [str(w.message) for w in record]
+    assert message.startswith("The stage planner reached its work limit of 2 units: the plan "
+                              "is the best found, no lower bound proven; not proven optimal.")
+    assert _fields(message)["where"] == "PlanConfig.stage_work_limit" and "%" not in message
+    # The intra-op solver: a gap of 100 % (its bound is 0) or none at all.
+    gap = 1.0 if bound == 0.0 else math.inf
+    choice = SimpleNamespace(
+        solution=Solution("feasible", (0,), 2.0, 0.0, gap, 0.1),
+        mesh=SimpleNamespace(axis_names=("x",), axis_sizes=(8,)))
+    with pytest.warns(sp.ShardplanWarning) as record:
+        _warn_time_limit(choice, sp.PlanConfig(time_limit_s=5))  # type: ignore[arg-type]
+    (message,) = [str(w.message) for w in record]
+    assert message.startswith("The intra-op solver reached its 5 s limit: the sharding is the "
+                              "best found, no lower bound proven; not proven optimal.")
+    assert _fields(message)["where"].startswith("PlanConfig.time_limit_s") and "%" not in message
 
 
 # -------------------------------------------------------------------------------------------

@@ -1,29 +1,40 @@
 """``shardplan`` command line: one subcommand per pipeline entry point.
 
 Subcommands:
-  trace       trace a model's train step into an op graph and print its summary.
+  trace       trace a train step into an op graph and print its summary.
+  plan        plan a train step on a cluster and print (or save) the plan.
   calibrate   measure the local devices and write a calibrated device YAML.
   launch      run a command as N local processes of one jax.distributed job.
   train       train a model as a YAML config says (plan, run, checkpoint, evaluate).
   show        print a saved plan in the terminal; with --html also write the HTML report.
+
+``trace`` and ``plan`` take a model preset (``gpt-tiny``), a model YAML, or the user's own step
+as ``path/to/file.py:factory`` or ``package.module:factory``: a factory callable with no
+arguments that returns ``(train_step, state, batch)`` (see :func:`load_step`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import sys
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
-from shardplan.errors import ShardplanError
+from shardplan.cli.target import STEP_SHAPE, is_step_target, load_step
+from shardplan.errors import ConfigError, ShardplanError, format_error
 
 if TYPE_CHECKING:
+    from shardplan.cluster import Cluster
     from shardplan.train.config import RunConfig
 
-__all__ = ["CalibrateConfig", "ShowConfig", "TraceConfig", "calibrate_main", "main",
-           "show_main", "trace_main"]
+__all__ = ["CalibrateConfig", "PlanCommandConfig", "ShowConfig", "TraceConfig",
+           "calibrate_main", "load_step", "main", "plan_main", "show_main", "trace_main"]
+
+# -------------------------------------------------------------------------------------------
+# trace and plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,46 +42,173 @@ class TraceConfig:
     """Options of ``shardplan trace``.
 
     Attributes:
-      model: a model preset name (``gpt-tiny``) or a path to a model YAML.
-      batch: global batch size (sequences).
-      seq_len: sequence length (default: the model's ``max_seq_len``).
-      scan_layers: override the model's ``scan_layers``.
-      abstract: trace on ``ShapeDtypeStruct``s only (never allocates; for large models).
+      model: a model preset name (``gpt-tiny``), a path to a model YAML, or a step factory
+        (``path/to/file.py:factory``, ``package.module:factory``; see :func:`load_step`).
+      batch: global batch size (sequences; presets only, default 8).
+      seq_len: sequence length (default: the model's ``max_seq_len``; presets only).
+      scan_layers: override the model's ``scan_layers`` (presets only).
+      abstract: trace on ``ShapeDtypeStruct``s only (never allocates; for large models;
+        presets only: a factory's state is what it returns).
     """
 
     model: str
-    batch: int = 8
+    batch: int | None = None
     seq_len: int | None = None
     scan_layers: bool | None = None
     abstract: bool = True
 
 
-def trace_main(config: TraceConfig) -> int:
-    """Traces the reference train step of ``config.model`` and prints the op-graph summary."""
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """A traced-or-planned step and how to describe it."""
+
+    train_step: Callable[..., Any]
+    state: Any
+    batch: Any
+    describe: Callable[[Any], str]  # the first line, given the traced op graph (or None)
+    built_s: float
+
+
+def _build_step(config: TraceConfig) -> _Step:
+    """The step ``config.model`` names: a preset's reference step, or the user's factory."""
     import jax
 
+    start = time.perf_counter()
+    if is_step_target(config.model):
+        preset_only = {"--batch": config.batch is not None, "--seq-len": config.seq_len is not None,
+                       "--scan/--loop": config.scan_layers is not None,
+                       "--concrete": not config.abstract}
+        given = [flag for flag, set_ in preset_only.items() if set_]
+        if given:
+            raise ConfigError(format_error(
+                f"{', '.join(given)} applies to model presets and YAML files; a step factory "
+                "builds its own state and batch.", where=config.model, value=given,
+                remedy="drop the option, or change the factory"))
+        train_step, state, batch = load_step(config.model)
+        leaves = jax.tree.leaves(batch)
+        samples = getattr(leaves[0], "shape", (None,))[:1] if leaves else ()
+
+        def describe(graph: Any) -> str:
+            size = f"batch {samples[0]} samples" if samples else "no batch arrays"
+            params = f"{graph.num_params:,} parameters; " if graph is not None else ""
+            return f"step {config.model}: {params}{size}"
+
+        return _Step(train_step, state, batch, describe, time.perf_counter() - start)
+    if config.model.endswith(".py"):
+        raise ConfigError(format_error(
+            "A Python file needs the name of its step factory after a colon.",
+            where="the model argument", value=config.model,
+            remedy=f"{config.model}:make_step (a function with no arguments that returns "
+                   f"{STEP_SHAPE}); or a model preset or model YAML"))
     import models
-    from shardplan.trace import trace
 
     overrides = {} if config.scan_layers is None else {"scan_layers": config.scan_layers}
     model_config = models.load_model_config(config.model, overrides=overrides)
-    start = time.perf_counter()
     if config.abstract:
         graphdef, state = models.abstract_train_state(model_config)
     else:
         graphdef, state = models.init_train_state(model_config)
-    batch = models.example_batch(model_config, config.batch, seq_len=config.seq_len,
+    size = config.batch or 8
+    batch = models.example_batch(model_config, size, seq_len=config.seq_len,
                                  abstract=config.abstract)
-    built = time.perf_counter()
-    graph = trace(models.make_train_step(graphdef), state, batch)
-    done = time.perf_counter()
-    print(f"model {config.model}: {model_config.num_params():,} parameters; "
-          f"batch {config.batch} x {config.seq_len or model_config.max_seq_len} tokens; "
-          f"jax {jax.__version__} on {jax.devices()[0].platform}")
-    print(f"built the (abstract) state in {built - start:.2f} s, traced in {done - built:.2f} s")
+    line = (f"model {config.model}: {model_config.num_params():,} parameters; "
+            f"batch {size} x {config.seq_len or model_config.max_seq_len} tokens")
+    return _Step(models.make_train_step(graphdef), state, batch, lambda _: line,
+                 time.perf_counter() - start)
+
+
+def trace_main(config: TraceConfig) -> int:
+    """Traces the step ``config.model`` names (a preset's reference step or the user's
+    factory) and prints the op-graph summary."""
+    import jax
+
+    from shardplan.trace import trace
+
+    step = _build_step(config)
+    start = time.perf_counter()
+    graph = trace(step.train_step, step.state, step.batch)
+    traced_s = time.perf_counter() - start
+    print(f"{step.describe(graph)}; jax {jax.__version__} on {jax.devices()[0].platform}")
+    print(f"built the (abstract) state in {step.built_s:.2f} s, traced in {traced_s:.2f} s")
     print()
     print(graph.summary())
     return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanCommandConfig:
+    """Options of ``shardplan plan``.
+
+    Attributes:
+      target: what to plan, as :class:`TraceConfig` takes it.
+      cluster: a cluster YAML (``configs/clusters/*.yaml``): planned as described, no devices
+        needed.
+      types: the local devices, emulating these device types (catalog name -> count, on
+        consecutive devices; ``shardplan train``'s ``cluster.local.types``). With neither,
+        the local devices as they are.
+      out: also save the plan here (``shardplan show`` draws it).
+    """
+
+    target: TraceConfig
+    cluster: str | None = None
+    types: dict[str, int] | None = None
+    out: str | None = None
+
+
+def plan_main(config: PlanCommandConfig) -> int:
+    """Plans the step ``config.target`` names on the cluster and prints the plan's summary."""
+    import jax
+
+    from shardplan.planner.single import make_plan
+
+    cluster = _plan_cluster(config)
+    step = _build_step(config.target)
+    start = time.perf_counter()
+    plan = make_plan(step.train_step, step.state, step.batch, cluster=cluster)
+    planned_s = time.perf_counter() - start
+    print(f"{step.describe(None)}; jax {jax.__version__}")
+    print(cluster.summary().splitlines()[0])
+    if config.types and jax.default_backend() == "cpu":
+        print("note: the device types are emulated on CPU devices; the plan is made for "
+              f"{config.types}")
+    print(f"built the state in {step.built_s:.2f} s, planned in {planned_s:.2f} s")
+    print()
+    print(plan.summary())
+    if config.out:
+        print(f"wrote {plan.save(config.out)} (shardplan show {config.out} draws it)")
+    return 0
+
+
+def _plan_cluster(config: PlanCommandConfig) -> Cluster:
+    """The cluster to plan on: the YAML as described, or the local devices (typed)."""
+    from shardplan.cluster import Cluster
+
+    if config.cluster is not None:
+        return Cluster.from_yaml(config.cluster)
+    if config.types:
+        import os
+
+        import jax
+
+        # On CPU, make as many devices as the types name (a GPU backend ignores it). Once the
+        # backend is up this raises; Cluster.local then says if the count differs.
+        if "device_count" not in os.environ.get("XLA_FLAGS", ""):
+            with contextlib.suppress(RuntimeError):
+                jax.config.update("jax_num_cpu_devices", sum(config.types.values()))
+    return Cluster.local(types=config.types)
+
+
+def _parse_types(text: str) -> dict[str, int]:
+    """``a100-80g=4,v100-32g=4`` -> ``{"a100-80g": 4, "v100-32g": 4}``."""
+    out: dict[str, int] = {}
+    for item in text.split(","):
+        name, eq, count = item.strip().partition("=")
+        if not eq or not name or not count.strip().isdigit() or int(count) < 1:
+            raise ConfigError(format_error(
+                "--types takes device types and counts as NAME=COUNT,NAME=COUNT.",
+                where="--types", value=text, remedy="e.g. --types a100-80g=4,v100-32g=4"))
+        out[name.strip()] = int(count)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,20 +348,43 @@ def show_main(config: ShowConfig) -> int:
     return 0
 
 
+def _target_arguments(p: argparse.ArgumentParser) -> None:
+    """The step to trace or plan, and the options of a preset's."""
+    p.add_argument("model", help="model preset name, model YAML path, or the user's step as "
+                                 "path/to/file.py:factory or package.module:factory (a "
+                                 f"function with no arguments returning {STEP_SHAPE})")
+    p.add_argument("--batch", type=int, default=None,
+                   help="global batch size (default 8; presets only)")
+    p.add_argument("--seq-len", type=int, default=None, help="sequence length (presets only)")
+    scan = p.add_mutually_exclusive_group()
+    scan.add_argument("--scan", dest="scan_layers", action="store_true", default=None,
+                      help="scan over stacked blocks (nnx.scan; presets only)")
+    scan.add_argument("--loop", dest="scan_layers", action="store_false",
+                      help="Python loop over blocks (presets only)")
+    p.add_argument("--concrete", dest="abstract", action="store_false",
+                   help="initialise real arrays instead of tracing abstractly (presets only)")
+
+
+def _trace_config(args: argparse.Namespace) -> TraceConfig:
+    return TraceConfig(model=args.model, batch=args.batch, seq_len=args.seq_len,
+                       scan_layers=args.scan_layers, abstract=args.abstract)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shardplan", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("trace", help="trace a model's train step and print its op graph")
-    p.add_argument("model", help="model preset name or model YAML path")
-    p.add_argument("--batch", type=int, default=8, help="global batch size (default 8)")
-    p.add_argument("--seq-len", type=int, default=None, help="sequence length")
-    scan = p.add_mutually_exclusive_group()
-    scan.add_argument("--scan", dest="scan_layers", action="store_true", default=None,
-                      help="scan over stacked blocks (nnx.scan)")
-    scan.add_argument("--loop", dest="scan_layers", action="store_false",
-                      help="Python loop over blocks")
-    p.add_argument("--concrete", dest="abstract", action="store_false",
-                   help="initialise real arrays instead of tracing abstractly")
+    p = sub.add_parser("trace", help="trace a train step and print its op graph")
+    _target_arguments(p)
+    pp = sub.add_parser("plan", help="plan a train step on a cluster and print the plan")
+    _target_arguments(pp)
+    where = pp.add_mutually_exclusive_group()
+    where.add_argument("--cluster", default=None, metavar="CLUSTER.yaml",
+                       help="a cluster YAML (configs/clusters/), planned as described")
+    where.add_argument("--types", default=None, metavar="NAME=COUNT,...",
+                       help="the local devices emulating these device types, e.g. "
+                            "a100-80g=4,v100-32g=4 (default: the local devices as they are)")
+    pp.add_argument("--out", default=None, metavar="PLAN.json",
+                    help="also save the plan (shardplan show draws it)")
     c = sub.add_parser("calibrate", help="benchmark the local devices, write a device YAML")
     c.add_argument("--quick", action="store_true", help="small sizes (seconds on CPU)")
     c.add_argument("--device", default=None,
@@ -253,9 +414,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "trace":
-            return trace_main(TraceConfig(model=args.model, batch=args.batch,
-                                          seq_len=args.seq_len, scan_layers=args.scan_layers,
-                                          abstract=args.abstract))
+            return trace_main(_trace_config(args))
+        if args.command == "plan":
+            types = _parse_types(args.types) if args.types is not None else None
+            return plan_main(PlanCommandConfig(target=_trace_config(args),
+                                               cluster=args.cluster, types=types,
+                                               out=args.out))
         if args.command == "calibrate":
             return calibrate_main(CalibrateConfig(quick=args.quick, device=args.device,
                                                   out=args.out))

@@ -237,10 +237,12 @@ def _warn_time_limit(choice: MeshChoice, config: PlanConfig) -> None:
     sol = choice.solution
     if sol.status != "feasible" or sol.gap is None or sol.gap <= config.relative_gap:
         return
+    # A gap of 100 % or more (bound 0 or none) proves nothing: say so rather than "within 100 %".
+    bound = (f"within {100 * sol.gap:.1f} % of a proven lower bound"
+             if math.isfinite(sol.gap) and sol.gap < 1.0 else "no lower bound proven")
     warnings.warn(format_error(
         f"The intra-op solver reached its {config.time_limit_s:g} s limit: the sharding is the "
-        f"best found, within {100 * sol.gap:.1f} % of the proven lower bound, not proven "
-        "optimal.",
+        f"best found, {bound}; not proven optimal.",
         where=f"PlanConfig.time_limit_s (mesh {choice.mesh.axis_names} = "
               f"{choice.mesh.axis_sizes})",
         value=config.time_limit_s,

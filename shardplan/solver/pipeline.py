@@ -585,14 +585,16 @@ def check_pipeline(problem: PipelineProblem, plan: PipelinePlan) -> list[str]:
     out: list[str] = []
     mb = plan.microbatch_size
     if plan.schedule not in problem.schedules:
-        out.append(f"schedule {plan.schedule!r} is not among {problem.schedules}")
+        out.append(f"schedule {plan.schedule!r} is not among PlanConfig.schedules "
+                   f"{problem.schedules}")
     v = plan.chunks if plan.schedule == "interleaved" else 1
     if plan.schedule == "interleaved" and v not in problem.chunks:
-        out.append(f"chunks {plan.chunks} is not among {problem.chunks}")
+        out.append(f"chunks {plan.chunks} is not among PlanConfig.chunks {problem.chunks}")
     if plan.schedule != "interleaved" and plan.chunks != 1:
         out.append(f"chunks {plan.chunks} without the interleaved schedule")
     if mb not in problem.microbatch_sizes or problem.batch % mb:
-        out.append(f"microbatch size {mb} is not a candidate dividing batch {problem.batch}")
+        out.append(f"microbatch size {mb} is not a candidate (PlanConfig.microbatch_sizes) "
+                   f"dividing batch {problem.batch}")
     if not plan.replicas:
         out.append("no replicas")
     if sum(r.microbatches for r in plan.replicas) * mb != problem.batch:
@@ -628,7 +630,7 @@ def _replica_violations(problem: PipelineProblem, replica: Replica, v: int
         out.append(": no stages")
         return out, used
     if problem.max_stages and k > problem.max_stages:
-        out.append(f": {k} stages > max_stages {problem.max_stages}")
+        out.append(f": {k} stages > PlanConfig.max_stages {problem.max_stages}")
     order = _layer_order(replica.stages, v)
     if order != list(range(n)):
         out.append(f": stages do not cover layers 0..{n - 1} in pipeline order")
@@ -827,7 +829,7 @@ def evaluate_pipeline(problem: PipelineProblem, plan: PipelinePlan) -> PipelineE
                 for r in plan.replicas for s in r.stages)
     throughput = problem.batch / step if step > 0 else inf
     if problem.objective == "cost" and throughput < problem.min_throughput:
-        violations.append(f"throughput {throughput:,.6g} samples/s < min_throughput "
+        violations.append(f"throughput {throughput:,.6g} samples/s < PlanConfig.min_throughput "
                           f"{problem.min_throughput:,.6g}")
     return PipelineEvaluation(
         step_time_s=step, replica_time_s=tuple(replica_times), sync_s=sync, update_s=update,

@@ -265,9 +265,11 @@ class InfeasibilityReport:
                    if fits is not None else f"no number of {name} alone holds the model"))
         return format_error(
             f"No pipeline plan is feasible: {self.reason}",
-            where="PipelineProblem: " + "; ".join(lines),
-            remedy=self.remedy or "add devices or memory, allow remat or smaller "
-                   "microbatches, more stages, or (cost objective) a lower min_throughput")
+            where="per device type: " + "; ".join(lines),
+            remedy=self.remedy or "add devices or memory (PlanConfig.memory_budget_bytes), "
+                   "allow remat (PlanConfig.remats) or smaller microbatches "
+                   "(PlanConfig.microbatch_sizes), more stages (PlanConfig.max_stages), or "
+                   "(cost objective) a lower PlanConfig.min_throughput")
 
 
 class PipelineInfeasibleError(InfeasibleError):
@@ -301,20 +303,23 @@ def infeasibility_report(problem: PipelineProblem, /) -> InfeasibilityReport:
     cuts = [(k, v) for v in problem.chunks for k in range(1, n // v + 1)
             if n % (k * v) == 0 and not (problem.max_stages and k > problem.max_stages)]
     if not sizes:
-        reason = (f"no candidate microbatch size in {problem.microbatch_sizes} divides the "
-                  f"batch {problem.batch}")
+        reason = (f"no candidate microbatch size in {problem.microbatch_sizes} "
+                  f"(PlanConfig.microbatch_sizes) divides the batch {problem.batch}")
+        remedy = (f"give PlanConfig.microbatch_sizes that divide the batch {problem.batch}, "
+                  "or leave it empty (the powers of two that divide the batch)")
     elif set(problem.schedules) == {"interleaved"} and not cuts:
         # Interleaving cuts the layers into stages x chunks equal parts (rule I).
         why = ("every requested chunk count exceeds the layers" if min(problem.chunks) > n
                else f"no (stages x chunks) divides {n}")
         reason = (f"the interleaved schedule (the only one allowed) cuts the model's {n} "
-                  f"pipeline layers into (stages x chunks) equal parts, and with chunks "
-                  f"{list(problem.chunks)}"
-                  + (f" and max_stages {problem.max_stages}" if problem.max_stages else "")
+                  f"pipeline layers into (stages x chunks) equal parts, and with "
+                  f"PlanConfig.chunks {list(problem.chunks)}"
+                  + (f" and PlanConfig.max_stages {problem.max_stages}"
+                     if problem.max_stages else "")
                   + f" no stage count does: {why}")
         divisors = [v for v in range(2, n + 1) if n % v == 0]
         remedy = ("allow the 1f1b or gpipe schedule (PlanConfig.schedules), or ask for "
-                  + (f"chunks that divide {n}: {divisors}" if divisors
+                  + (f"PlanConfig.chunks that divide {n}: {divisors}" if divisors
                      else "a model with more layers"))
     elif not fits:
         reason = "no group holds one replica of the model in memory"
@@ -324,16 +329,18 @@ def infeasibility_report(problem: PipelineProblem, /) -> InfeasibilityReport:
         reason = ("one replica fits in memory, but not with its scanned stack (pipeline "
                   f"layers {a}..{b - 1}, {rows} rows of stacked leaves) cut into runs of equal "
                   "length on alike stages, as the runtime holds them, together with every "
-                  "other constraint (schedule memory, interleaving divisibility, max_stages, "
-                  "devices" + (", min_throughput)" if problem.objective == "cost" else ")"))
+                  "other constraint (schedule memory, interleaving divisibility, "
+                  "PlanConfig.max_stages, devices"
+                  + (", PlanConfig.min_throughput)" if problem.objective == "cost" else ")"))
         remedy = ("allow a stage count whose runs divide the stack's rows (runs of "
-                  f"{[rows // q for q in range(1, rows + 1) if rows % q == 0]} rows), more "
-                  "memory (PlanConfig.memory_budget_bytes) or remat, or write the blocks as a "
-                  "Python loop (each block its own parameters, cut anywhere)")
+                  f"{[rows // q for q in range(1, rows + 1) if rows % q == 0]} rows; "
+                  "PlanConfig.max_stages), more memory (PlanConfig.memory_budget_bytes) or "
+                  "remat (PlanConfig.remats), or write the blocks as a Python loop (each block "
+                  "its own parameters, cut anywhere)")
     else:
         reason = ("one replica fits in memory, but no plan meets every constraint together "
-                  "(schedule memory, interleaving divisibility, max_stages, devices"
-                  + (", min_throughput)" if problem.objective == "cost" else ")"))
+                  "(schedule memory, interleaving divisibility, PlanConfig.max_stages, devices"
+                  + (", PlanConfig.min_throughput)" if problem.objective == "cost" else ")"))
     return InfeasibilityReport(tuple(floors), tuple(g.memory_bytes for g in problem.groups),
                                tuple(minimum), tuple(g.count for g in problem.groups), reason,
                                remedy)
@@ -411,7 +418,8 @@ def solve_pipeline(problem: PipelineProblem, /, *,
     Raises:
       PipelineInfeasibleError: no plan is feasible (an :class:`InfeasibleError` carrying an
         :class:`InfeasibilityReport`).
-      SolverError: the time limit passed before any plan was found.
+      SolverError: the work or time limit (``PlanConfig.stage_work_limit`` /
+        ``stage_time_limit_s``) passed before any plan was found.
       ConfigError: a negative device price under the cost objective.
     """
     start = time.perf_counter()
@@ -477,14 +485,18 @@ def solve_pipeline(problem: PipelineProblem, /, *,
         if optimal:
             raise PipelineInfeasibleError(infeasibility_report(problem),
                                           tuple(g.name for g in problem.groups))
+        # PlanConfig.stage_work_limit / stage_time_limit_s become work_limit / time_limit_s.
+        units = (f"{budget.spent:,} of {problem.work_limit:,} work units" if problem.work_limit
+                 else f"{budget.spent:,} work units, no work limit")
         raise SolverError(format_error(
-            f"The stage planner found no plan within its budget ({budget.spent:,} of "
-            f"{problem.work_limit or math.inf:,} work units, time limit "
-            f"{problem.time_limit_s} s) and could not prove that none exists.",
-            where="PipelineProblem.work_limit / time_limit_s",
-            value=(problem.work_limit, problem.time_limit_s),
-            remedy="raise work_limit or time_limit_s, or shrink the candidates (sub-mesh "
-                   "sizes, microbatch sizes, schedules, remats)"))
+            f"The stage planner found no plan within its budget ({units}, time limit "
+            f"{problem.time_limit_s:g} s) and could not prove that none exists.",
+            where="PlanConfig.stage_work_limit, PlanConfig.stage_time_limit_s",
+            value={"stage_work_limit": problem.work_limit,
+                   "stage_time_limit_s": problem.time_limit_s},
+            remedy="raise PlanConfig.stage_work_limit (0: no limit) or "
+                   "PlanConfig.stage_time_limit_s, or narrow the search "
+                   "(PlanConfig.microbatch_sizes, .schedules, .remats, .chunks, .max_stages)"))
     plan = best
     evaluation = evaluate_pipeline(problem, plan)
     if not evaluation.feasible:  # the search and the evaluator disagree: a bug, not the input
@@ -522,7 +534,8 @@ def _bounds(problem: PipelineProblem) -> Callable[..., PlanBound]:
         for g in problem.groups:
             if g.price_per_hour < 0:
                 raise ConfigError(format_error(
-                    "A device price is negative.", where=f"groups[{g.name!r}].price_per_hour",
+                    "A device price is negative.",
+                    where=f"device group {g.name!r}: price_per_hour_usd",
                     value=g.price_per_hour, remedy="use a price of 0 or more per device-hour"))
     safe = tuple(g.intra_node.bandwidth_bytes_per_s >= g.inter_node.bandwidth_bytes_per_s
                  and g.intra_node.latency_s <= g.inter_node.latency_s for g in problem.groups)
