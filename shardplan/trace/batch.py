@@ -204,6 +204,8 @@ _ONE_TO_ONE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
                "core_call": "call_jaxpr", "checkpoint": "jaxpr", "remat": "jaxpr",
                "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
                "custom_vjp_call_jaxpr": "fun_jaxpr", "shard_map": "jaxpr"}
+_WALKED = frozenset({*_ONE_TO_ONE, "scan", "while", "cond", "random_bits"})
+"""Primitives walked even where no operand reads the batch (a draw, or one inside)."""
 _REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and",
                          "reduce_or", "reduce_xor", "argmax", "argmin"})
 
@@ -220,7 +222,7 @@ class _Walk:
         self.statistics: dict[str, Finding] = {}
         self.normalisers: dict[int, Finding] = {}
         self.sources: dict[Any, str] = {}
-        self.top_where = ""  # the source line of the top-level equation being walked
+        self.top_eqn: Any = None  # the top-level equation being walked
 
     def where(self, eqn: Any, default: str = "") -> str:
         """``model.py:23 (__call__)``: the innermost frame of the user's code that made
@@ -235,34 +237,36 @@ class _Walk:
             text = _where(tb)
         return text or default
 
-    def run(self, jaxpr: Any, ins: Sequence[_Fact], *, top: int | None,
-            forward: bool | None) -> list[_Fact]:
+    def run(self, jaxpr: Any, ins: Sequence[_Fact], *, top: int | None) -> list[_Fact]:
         """Walks ``jaxpr`` (the step's, or an inner one) from its inputs' facts; returns its
         outputs'. ``top``: the top-level equation an inner program belongs to (``None``: this
-        is the top level); ``forward``: that equation's phase (``None``: each equation's
-        own)."""
+        is the top level, whose backward pass is not walked: every use of the batch this
+        module looks for is in the forward pass, and the backward pass only transposes it)."""
         env: dict[Any, _Fact] = dict(zip(jaxpr.invars, ins, strict=True))
-
-        def fact(v: Any) -> _Fact:
-            return _CONST if isinstance(v, jcore.Literal) else env.get(v, _CONST)
-
         for i, eqn in enumerate(jaxpr.eqns):
+            if top is None and i in self.normalised:
+                env.update(dict.fromkeys(eqn.outvars, _STATE))
+                continue
+            args = [_CONST if isinstance(v, jcore.Literal) else env.get(v, _CONST)
+                    for v in eqn.invars]
+            if eqn.primitive.name not in _WALKED and not any(
+                    f.dep or f.own is not None for f in args):  # the state's own computation
+                env.update(dict.fromkeys(eqn.outvars,
+                                         _STATE if any(f.par for f in args) else _CONST))
+                continue
             if top is None:
-                self.top_where = self.where(eqn)
-                if i in self.normalised:
-                    env.update((v, _STATE) for v in eqn.outvars)
-                    continue
-            phase = forward if forward is not None else autodiff_phase(eqn) != "backward"
-            outs = self.equation(eqn, [fact(v) for v in eqn.invars],
-                                 i if top is None else top, phase, top is None)
+                if "transpose(" in str(eqn.source_info.name_stack):
+                    continue  # the backward pass (autodiff_phase)
+                self.top_eqn = eqn
+            outs = self.equation(eqn, args, i if top is None else top, top is None)
             env.update(zip(eqn.outvars, outs, strict=True))
-        return [fact(v) for v in jaxpr.outvars]
+        return [_CONST if isinstance(v, jcore.Literal) else env.get(v, _CONST)
+                for v in jaxpr.outvars]
 
-    def equation(self, eqn: Any, args: list[_Fact], top: int, forward: bool,
-                 at_top: bool) -> list[_Fact]:
+    def equation(self, eqn: Any, args: list[_Fact], top: int, at_top: bool) -> list[_Fact]:
         """The facts of ``eqn``'s results, noting what it finds."""
         name, params = eqn.primitive.name, eqn.params
-        inner = self.inner(eqn, args, top, forward)
+        inner = self.inner(eqn, args, top)
         if inner is not None:
             return inner
         joined = _join(args)
@@ -282,12 +286,15 @@ class _Walk:
                 for k in range(len(eqn.outvars))]
         reduced = [f for f in args if f.dep and f.axis is None]
         if reduced and any(axis is not None for axis, _ in outs):
-            self.back_into_examples(reduced, top, forward)  # a reduction meets the examples
-        if name == "div" and len(args) == 2 and args[0].roots and isinstance(
-                eqn.invars[1], jcore.Literal):
-            counts = {self.roots[r][3] for r in args[0].roots}
-            if float(np.asarray(eqn.invars[1].val)) in counts:
-                joined = joined._replace(scaled=True)  # jnp.mean's divisor
+            self.back_into_examples(reduced, top)  # a reduction meets the examples
+        if name == "div" and len(args) == 2:
+            if args[1].dep and args[1].axis is None:  # a share of a total: sum(a) / sum(w)
+                self.normaliser(args[1])  # (a ratio of other totals, a load-balancing
+                # term, is the runtime's to measure: gradient accumulation)
+            elif args[0].roots and isinstance(eqn.invars[1], jcore.Literal):
+                counts = {self.roots[r][3] for r in args[0].roots}
+                if float(np.asarray(eqn.invars[1].val)) in counts:
+                    joined = joined._replace(scaled=True)  # jnp.mean's divisor
         facts = []
         for (axis, root), v in zip(outs, eqn.outvars, strict=True):
             if axis is not None:
@@ -427,58 +434,65 @@ class _Walk:
             for r, rs in rows:
                 if rs == s and r.axis in f.own:
                     draw, at = f.origin
-                    where = self.where(draw, self.top_where)
+                    where = self.where(draw, self.where(self.top_eqn))
                     self.random.setdefault((where, at), Finding("random_bits", where, at))
 
-    def back_into_examples(self, reduced: list[_Fact], top: int, forward: bool) -> None:
-        """A value reduced over the examples meets per-example values: a normaliser when every
-        reduction it comes from is a total of the batch alone (taken at the top level, not
-        divided by its element count), else a batch statistic (in the forward pass; the
-        backward pass's cross terms are the derivative's, not the step's)."""
+    def back_into_examples(self, reduced: list[_Fact], top: int) -> None:
+        """A value reduced over the examples meets per-example values in the forward pass: a
+        normaliser when every reduction it comes from is a total of the batch alone (taken at
+        the top level, not divided by its element count), else a batch statistic."""
         roots = [self.roots[k] for f in reduced for k in f.roots]
-        if roots and not any(f.scaled for f in reduced) and all(
-                top_i is not None and only for _, top_i, only, _ in roots):
-            for e, top_i, _, _ in roots:
-                assert top_i is not None
-                self.normalisers.setdefault(top_i, Finding(e.primitive.name, self.where(e),
-                                                           top_i))
-        elif forward:
-            for e, top_i, _, _ in roots:
-                where = self.where(e, self.top_where)
-                self.statistics.setdefault(where, Finding(
-                    e.primitive.name, where, top if top_i is None else top_i))
+        if not roots:
+            return
+        if all(self.normaliser(f) for f in reduced):
+            return
+        for e, top_i, _, _ in roots:
+            where = self.where(e, self.where(self.top_eqn))
+            self.statistics.setdefault(where, Finding(
+                e.primitive.name, where, top if top_i is None else top_i))
 
-    def inner(self, eqn: Any, args: list[_Fact], top: int,
-              forward: bool) -> list[_Fact] | None:
+    def normaliser(self, f: _Fact) -> bool:
+        """Whether ``f`` is a total of the batch alone (its reductions sums of the batch at
+        the top level, not divided by their element count); each of them noted if so."""
+        roots = [self.roots[k] for k in f.roots]
+        if not roots or f.scaled or not all(top_i is not None and only
+                                            for _, top_i, only, _ in roots):
+            return False
+        for e, top_i, _, _ in roots:
+            assert top_i is not None
+            self.normalisers.setdefault(top_i, Finding(e.primitive.name, self.where(e), top_i))
+        return True
+
+    def inner(self, eqn: Any, args: list[_Fact], top: int) -> list[_Fact] | None:
         """The results' facts of an equation with inner programs, walked with its operands'
         facts (``None``: not such an equation)."""
         name, params = eqn.primitive.name, eqn.params
         if _ONE_TO_ONE.get(name, "") in params:
-            return self.run(_inner(params[_ONE_TO_ONE[name]]), args, top=top, forward=forward)
+            return self.run(_inner(params[_ONE_TO_ONE[name]]), args, top=top)
         if name == "scan":
             consts, carry = params["num_consts"], params["num_carry"]
             body = _inner(params["jaxpr"])
             # the scanned operands lose their leading axis inside, the stacked results gain it
             ins = [*args[:consts + carry],
                    *(_shift(f, -1) for f in args[consts + carry:])]
-            outs = self.loop(body, ins, consts, carry, top, forward)
+            outs = self.loop(body, ins, consts, carry, top)
             return [*outs[:carry], *(_shift(f, 1) for f in outs[carry:])]
         if name == "while":
             cn, bn = params["cond_nconsts"], params["body_nconsts"]
             return self.loop(_inner(params["body_jaxpr"]), list(args[cn:]), bn,
-                             len(args) - cn - bn, top, forward)
+                             len(args) - cn - bn, top)
         if name == "cond":
-            branches = [self.run(_inner(b), args[1:], top=top, forward=forward)
+            branches = [self.run(_inner(b), args[1:], top=top)
                         for b in params["branches"]]
             return [b[0] if all(x == b[0] for x in b) else _join([*b, args[0]])
                     for b in zip(*branches, strict=True)]
         return None
 
-    def loop(self, body: Any, ins: list[_Fact], consts: int, carry: int, top: int,
-             forward: bool) -> list[_Fact]:
+    def loop(self, body: Any, ins: list[_Fact], consts: int, carry: int,
+             top: int) -> list[_Fact]:
         """A loop body walked until its carries' facts no longer grow."""
         for _ in range(4):
-            outs = self.run(body, ins, top=top, forward=forward)
+            outs = self.run(body, ins, top=top)
             grown = [a if a == o else _join([a, o])._replace(
                 axis=a.axis if a.axis == o.axis else None)
                 for a, o in zip(ins[consts:consts + carry], outs[:carry], strict=True)]
@@ -532,7 +546,7 @@ def batch_use_of(jaxpr: Any, n_state: int, /) -> BatchUse:
     normalised: frozenset[int] = frozenset()
     while True:  # again with each normaliser found taken as given, until none is new
         walk = _Walk(normalised)
-        walk.run(jaxpr, ins, top=None, forward=None)
+        walk.run(jaxpr, ins, top=None)
         more = frozenset(walk.normalisers) - normalised
         if not more:
             break
