@@ -20,7 +20,7 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check shardplan models tests benchmarks
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check shardplan models tests benchmarks
