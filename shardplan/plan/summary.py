@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from shardplan.plan.plan import Plan, Spec
 
 __all__ = [
+    "ACCUMULATION_WORDS",
     "MAX_WIDTH",
     "clip_line",
     "compress_ids",
@@ -287,16 +288,17 @@ def _header(plan: Plan) -> list[str]:
         f"graph {plan.graph_fingerprint[:_HASH_CHARS] or '-'}, "
         f"cluster {plan.cluster_hash[:_HASH_CHARS] or '-'}, "
         f"config {plan.config_hash[:_HASH_CHARS] or '-'}",
-        *([f"  accumulation: {_ACCUMULATION[plan.accumulation]}"]
+        *([f"  accumulation: {ACCUMULATION_WORDS[plan.accumulation]}"]
           if plan.microbatches > 1 or plan.accumulation != "exact" else []),
     ]
 
 
-_ACCUMULATION = {
+ACCUMULATION_WORDS = {
     "exact": "exact (the microbatches' gradients and metrics add up to the whole batch's)",
     "per_microbatch": "gradient accumulation semantics (each microbatch draws its own random "
                       "numbers and computes its own batch statistics)",
 }
+"""How :attr:`Plan.accumulation` reads in the summary and the HTML report."""
 
 
 MAX_STAGE_ROWS = 16

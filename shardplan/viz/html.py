@@ -40,7 +40,7 @@ from shardplan.plan.explain import (
     starred_values,
 )
 from shardplan.plan.report import report_table
-from shardplan.plan.summary import compress_layers, plain_json
+from shardplan.plan.summary import ACCUMULATION_WORDS, compress_layers, plain_json
 from shardplan.viz import data
 
 if TYPE_CHECKING:
@@ -72,6 +72,7 @@ def _summary(plan: Plan) -> dict[str, Any]:
             "stages": len(plan.stages), "replicas": max(len(plan.replicas), 1),
             "devices": plan.num_devices, "schedule": plan.schedule, "chunks": plan.chunks,
             "microbatches": plan.microbatches, "microbatch_size": plan.microbatch_size,
+            "accumulation": ACCUMULATION_WORDS[plan.accumulation],
             "step_time_s": plan.predicted.step_time_s, "compute_s": plan.predicted.compute_s,
             "communication_s": plan.predicted.communication_s,
             "cluster": str(name) if name is not None else None,

@@ -108,6 +108,7 @@ function renderSummary() {
     ["schedule", esc(s.schedule + (s.chunks > 1 ? " (" + s.chunks + " chunks per stage)" : ""))],
     ["microbatches", esc(s.microbatches + (s.microbatch_size ? " of " + s.microbatch_size
       + " samples" : ""))],
+    ["accumulation", esc(s.accumulation)],
     ["predicted step time", esc(fmtMs(s.step_time_s) + " (compute " + fmtMs(s.compute_s)
       + ", communication " + fmtMs(s.communication_s) + ")")],
   ];
