@@ -273,14 +273,15 @@ def make_pipeline_plan(train_step: Callable[..., Any], state: Any, batch: Any, /
     start = time.perf_counter()
     global_batch = batch_size(batch)
     reference = min(config.reference_microbatch, global_batch)
-    graph = trace(train_step, state, microbatch_of(batch, reference))
+    sample = microbatch_of(batch, reference)
+    graph = trace(train_step, state, sample)
     from shardplan.planner.single import check_primitives
 
     check_primitives(graph, strict=config.strict)
-    looked = time.perf_counter()
+    traced = time.perf_counter()
     # how microbatches of this step combine (trace/batch.py): where a microbatch's result
     # would differ from the batch's, one microbatch per replica and one replica
-    use = (batch_use(train_step, state, microbatch_of(batch, reference)) if global_batch > 1
+    use = (batch_use(train_step, state, sample) if global_batch > 1
            else BatchUse())  # one sample: nothing to cut
     sizes = config.microbatch_sizes or None
     refused = use.refusal(config.accumulation)
@@ -290,7 +291,7 @@ def make_pipeline_plan(train_step: Callable[..., Any], state: Any, batch: Any, /
                 config.accumulation,
                 what=f"PlanConfig.microbatch_sizes={list(sizes)} (batch {global_batch})")
         sizes = (global_batch,)
-    traced = time.perf_counter()
+    analysed = time.perf_counter()
     costs = layer_costs(graph, cluster, reference_batch=reference,
                         max_mesh_axes=config.max_mesh_axes, time_limit_s=config.time_limit_s,
                         relative_gap=config.relative_gap)
@@ -308,40 +309,12 @@ def make_pipeline_plan(train_step: Callable[..., Any], state: Any, batch: Any, /
     choice = plan_pipeline(problem)
     if not choice.stats.optimal:
         _warn_gap(choice, problem)
-    timings = {"trace_s": looked - start, "batch_use_s": traced - looked,
-               "layer_tables_s": tabled - traced,
+    timings = {"trace_s": traced - start, "batch_use_s": analysed - traced,
+               "layer_tables_s": tabled - analysed,
                "stage_planner_s": time.perf_counter() - tabled,
                **{f"stage_planner.{k}": v for k, v in choice.timings.items()}}
     return _pipeline_plan(graph, cluster, config, costs, problem, choice, timings, start,
-                          accumulation_notes(use, config.accumulation))
-
-
-def accumulation_notes(use: BatchUse, accumulation: str, /) -> list[str]:
-    """The plan's notes on how its microbatches combine (``use``: the step's batch use)."""
-    notes = []
-    refused = use.refusal(accumulation)
-    if refused is not None:
-        why, where = refused
-        notes.append(
-            f"Whole-batch stages (one replica, one microbatch): the step {why} ({where}), so "
-            "a microbatch's result would differ from the whole batch's. "
-            "PlanConfig(accumulation=\"per_microbatch\") allows microbatches with gradient "
-            "accumulation semantics.")
-    elif use.random or use.statistics:
-        what = " and ".join(w for w, found in (
-            ("draws its random numbers with the step's key folded with the index of its "
-             "first sample", use.random),
-            ("computes its own batch statistics", use.statistics)) if found)
-        notes.append(
-            "Gradient accumulation semantics (PlanConfig.accumulation=\"per_microbatch\"): "
-            f"each microbatch {what}, so the step's result depends on the microbatch size; "
-            "it is deterministic.")
-    for f in use.normaliser_findings:
-        notes.append(
-            f"Exact accumulation of a normalised loss: the sum over the batch at {f.where} "
-            "scales every sample's share; it is summed over the whole batch before the "
-            "microbatches run.")
-    return notes
+                          use.notes(config.accumulation))
 
 
 def _warn_gap(choice: PipelineChoice, problem: PipelineProblem) -> None:

@@ -65,6 +65,7 @@ from jax.extend import core as jcore
 
 from shardplan.errors import ConfigError, PipelineError, format_error
 from shardplan.trace.batch import BatchUse, autodiff_phase, batch_use
+from shardplan.trace.dtypes import is_prng_key
 
 __all__ = ["ACCUMULATIONS", "MEAN_SUM_RTOL", "AccumulationForm", "StepSplit",
            "accumulation_form", "autodiff_phase", "microbatched",
@@ -340,7 +341,6 @@ class AccumulationForm:
     def __init__(self, train_step: Callable[..., Any], use: BatchUse, *, fold: bool) -> None:
         self._user = train_step
         self.use = use
-        self._normalisers = use.normalisers
         self._folds = frozenset(f.top for f in use.random) if fold else frozenset()
         self._totals: Callable[..., Any] | None = None
         self._totals_for: Any = None
@@ -360,7 +360,7 @@ class AccumulationForm:
         the whole batch (host arrays)."""
         size = int(np.shape(jax.tree.leaves(batch)[0])[0])
         index = np.arange(size, dtype=np.int32)
-        if not self._normalisers:
+        if not self.use.normalisers:
             return (index,)
         key = jax.tree.structure(batch), tuple((np.shape(x), str(jax.typeof(x).dtype))
                                                for x in jax.tree.leaves(batch))
@@ -376,8 +376,8 @@ class AccumulationForm:
                                             jax.tree.map(_bare, batch))
         jaxpr, n_state = closed.jaxpr, len(jax.tree.leaves(state))
         producer = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
-        wanted = [v for i in self._normalisers for v in jaxpr.eqns[i].outvars]
-        keep, todo = set(self._normalisers), list(self._normalisers)
+        wanted = [v for i in self.use.normalisers for v in jaxpr.eqns[i].outvars]
+        keep, todo = set(self.use.normalisers), list(self.use.normalisers)
         while todo:
             for v in jaxpr.eqns[todo.pop()].invars:
                 j = producer.get(v) if _is_var(v) else None
@@ -402,7 +402,7 @@ class AccumulationForm:
             jax.tree.map(_bare, state), jax.tree.map(_bare, batch))
         jaxpr = closed.jaxpr
         replace = {}
-        for k, i in enumerate(self._normalisers, start=1):
+        for k, i in enumerate(self.use.normalisers, start=1):
             (var,) = jaxpr.eqns[i].outvars
             replace[i] = [context[k][0].astype(var.aval.dtype)]
         outs = _evaluate(jaxpr, closed.consts, [*jax.tree.leaves(state),
@@ -414,10 +414,6 @@ class AccumulationForm:
 def _bare(x: Any) -> Any:
     aval = jax.typeof(x)
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
-
-
-def _is_key(x: Any) -> bool:
-    return jax.dtypes.issubdtype(jax.typeof(x).dtype, jax.dtypes.prng_key)
 
 
 def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
@@ -440,7 +436,7 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
             continue
         values = [read(v) for v in eqn.invars]
         if i in folds:
-            if not any(_is_key(x) for x in values):
+            if not any(is_prng_key(jax.typeof(x).dtype) for x in values):
                 raise PipelineError(format_error(
                     "A random draw over the batch takes no typed key array from the step, so "
                     "it cannot be folded with the microbatch's index.",
@@ -448,7 +444,7 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
                     remedy="draw with a typed key (jax.random.key, nnx.Rngs) passed in the "
                            "state, or wrap a raw key with jax.random.wrap_key_data outside "
                            "any jit or scan of the step"))
-            values = [jax.random.fold_in(x, index) if _is_key(x) else x for x in values]
+            values = [jax.random.fold_in(x, index) if is_prng_key(jax.typeof(x).dtype) else x for x in values]
         bound = eqn.primitive.get_bind_params(eqn.params)
         subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack

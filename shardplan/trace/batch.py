@@ -123,6 +123,33 @@ class BatchUse:
                                              else "")
         return why, where
 
+    def notes(self, accumulation: str) -> list[str]:
+        """A plan's notes on how its microbatches combine under ``accumulation``."""
+        notes = []
+        refused = self.refusal(accumulation)
+        if refused is not None:
+            why, where = refused
+            notes.append(
+                f"Whole-batch stages (one replica, one microbatch): the step {why} ({where}), "
+                "so a microbatch's result would differ from the whole batch's. "
+                "PlanConfig(accumulation=\"per_microbatch\") allows microbatches with "
+                "gradient accumulation semantics.")
+        elif self.random or self.statistics:
+            what = " and ".join(w for w, found in (
+                ("draws its random numbers with the step's key folded with the index of its "
+                 "first sample", self.random),
+                ("computes its own batch statistics", self.statistics)) if found)
+            notes.append(
+                "Gradient accumulation semantics (PlanConfig.accumulation="
+                f"\"per_microbatch\"): each microbatch {what}, so the step's result depends "
+                "on the microbatch size; it is deterministic.")
+        for f in self.normaliser_findings:
+            notes.append(
+                f"Exact accumulation of a normalised loss: the sum over the batch at {f.where} "
+                "scales every sample's share; it is summed over the whole batch before the "
+                "microbatches run.")
+        return notes
+
     def refusal_error(self, accumulation: str, *, what: str) -> PipelineError:
         """The error for cutting the step into microbatches where :meth:`refusal` says it
         cannot be; ``what`` names the plan or option that asked for them."""
@@ -255,8 +282,8 @@ class _Walk:
                                          _STATE if any(f.par for f in args) else _CONST))
                 continue
             if top is None:
-                if "transpose(" in str(eqn.source_info.name_stack):
-                    continue  # the backward pass (autodiff_phase)
+                if autodiff_phase(eqn) == "backward":
+                    continue
                 self.top_eqn = eqn
             outs = self.equation(eqn, args, i if top is None else top, top is None)
             env.update(zip(eqn.outvars, outs, strict=True))
