@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 
 import yaml
 
+from shardplan._files import read_text
 from shardplan.errors import ConfigError, format_error
 
 __all__ = [
@@ -544,9 +545,11 @@ def load_model_config(
       True
     """
     path = _resolve(path_or_preset_name)
+    text = read_text(path, what="model config", remedy="check the path (configs/models/ has "
+                                                       "the presets)")
     try:
-        values = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as err:
+        values = yaml.safe_load(text)
+    except yaml.YAMLError as err:
         raise ConfigError(
             format_error(
                 f"Cannot read the model config: {err}",

@@ -11,7 +11,7 @@ from typing import Any
 
 from shardplan.cluster._schema import Where, as_int, as_mapping, as_str, check_keys, fail
 from shardplan.cluster.catalog import catalog_name_for_kind, catalog_names, load_device
-from shardplan.cluster.group import LINK_HINT, DeviceGroup, GroupLink
+from shardplan.cluster.group import LINK_HINT, DeviceGroup, GroupLink, check_device_count
 from shardplan.cluster.link import parse_link
 
 __all__ = ["GROUP_EXAMPLE", "cluster_parts", "local_parts"]
@@ -23,6 +23,39 @@ GROUP_EXAMPLE = (
     "{device: a100-80g, nodes: 1, devices_per_node: 8, "
     "intra_node: {bandwidth_GB_s: 300, latency_us: 2}}"
 )
+
+
+def _group_counts(g: Mapping[str, Any], where: Where, *, first_id: int) -> tuple[int, int]:
+    """``(nodes, devices_per_node)`` of a group, checked against ``MAX_DEVICES`` (with the
+    ``first_id`` devices of the groups before it) before anything of their size is built.
+
+    Raises:
+      ClusterError: a count that is not a whole number >= 1, or too many devices.
+    """
+    nodes = as_int(g["nodes"], where.key("nodes"), what="a node count")
+    check_device_count(
+        nodes, where.key("nodes"), what=f"the group has {nodes:,} nodes (at least as many devices)"
+    )
+    per_node = as_int(
+        g["devices_per_node"], where.key("devices_per_node"), what="a device count per node"
+    )
+    check_device_count(
+        per_node, where.key("devices_per_node"), what=f"each node has {per_node:,} devices"
+    )
+    count = nodes * per_node
+    check_device_count(
+        count,
+        where,
+        what=f"the group has {nodes:,} nodes x {per_node:,} devices = {count:,} devices",
+        value={"nodes": nodes, "devices_per_node": per_node},
+    )
+    check_device_count(
+        first_id + count,
+        where,
+        what=f"with this group's {count:,}, the cluster has {first_id + count:,} devices",
+        value={"devices before this group": first_id, "this group": count},
+    )
+    return nodes, per_node
 
 
 def _parse_group(value: object, where: Where, *, first_id: int, taken: set[str]) -> DeviceGroup:
@@ -41,10 +74,7 @@ def _parse_group(value: object, where: Where, *, first_id: int, taken: set[str])
         },
     )
     device = load_device(g["device"], where=where.key("device"))
-    nodes = as_int(g["nodes"], where.key("nodes"), what="a node count")
-    per_node = as_int(
-        g["devices_per_node"], where.key("devices_per_node"), what="a device count per node"
-    )
+    nodes, per_node = _group_counts(g, where, first_id=first_id)
     intra = parse_link(g["intra_node"], where.key("intra_node"))
     inter = None
     if g.get("inter_node") is not None:
@@ -222,25 +252,28 @@ def _local_type_names(devs: tuple[Any, ...], types: Mapping[str, int] | None) ->
             types,
             "pass e.g. types={'a100-80g': 4, 'v100-32g': 4}",
         )
-    names: list[str] = []
+    counts: dict[str, int] = {}  # counted, and checked against MAX_DEVICES, before expanded
     for key, count in types.items():
         where = Where(path=f"types[{key!r}]")
         spec = load_device(key, where=where)
         n = as_int(count, where, what="a device count")
-        if spec.name in names:
+        check_device_count(n, where, what=f"{n:,} devices of type {spec.name!r}")
+        if spec.name in counts:
             raise fail(
                 where, f"device type {spec.name!r} is listed twice", key, "list each type once"
             )
-        names += [spec.name] * n
-    if len(names) != len(devs):
+        counts[spec.name] = n
+    total = sum(counts.values())
+    check_device_count(total, "types=", what=f"the counts add up to {total:,}", value=dict(types))
+    if total != len(devs):
         raise fail(
             "types=",
-            f"the counts add up to {len(names)} but there are {len(devs)} devices",
+            f"the counts add up to {total} but there are {len(devs)} devices",
             dict(types),
             f"make the counts sum to {len(devs)}, or pass devices= with "
-            f"{len(names)} devices (e.g. devices=jax.devices()[:{len(names)}])",
+            f"{total} devices (e.g. devices=jax.devices()[:{total}])",
         )
-    return names
+    return [name for name, n in counts.items() for _ in range(n)]
 
 
 def _local_group(name: str, ids: list[int], devs: tuple[Any, ...]) -> DeviceGroup:

@@ -13,13 +13,16 @@ import difflib
 import math
 import os
 import re
+import sys
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from pathlib import Path
+from types import FrameType
 from typing import Any, TypeVar
 
 import yaml
 
-from shardplan.errors import ClusterError, format_error
+from shardplan._files import read_text
+from shardplan.errors import ClusterError, ShardplanWarning, format_error
 
 __all__ = [
     "FrozenMap",
@@ -32,6 +35,7 @@ __all__ = [
     "fail",
     "load_yaml",
     "short_float",
+    "warn",
 ]
 
 
@@ -159,6 +163,33 @@ def fail(where: Where | str, what: str, value: object, remedy: str) -> ClusterEr
     )
 
 
+_SKIPPED_MODULES = ("shardplan", "jax._src.traceback_util")
+"""Modules whose frames a warning is not attributed to: shardplan's own, and the wrapper of its
+public entry points (``shardplan/_traceback.py``); the first other frame is the user's call."""
+
+
+def _skipped(module: str) -> bool:
+    return any(module == m or module.startswith(m + ".") for m in _SKIPPED_MODULES)
+
+
+def warn(where: Where | str, what: str, value: object, remedy: str) -> None:
+    """Issues a :class:`ShardplanWarning` laid out like :func:`fail`'s errors.
+
+    The warning is attributed to the first caller outside the ``shardplan`` package, so that
+    ``python -W`` and pytest show the user's line (``Cluster.from_yaml(...)``), whatever the
+    depth of the parser below it.
+    """
+    level = 2  # stacklevel 2: warn's caller
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and _skipped(str(frame.f_globals.get("__name__", ""))):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(
+        format_error(what, where=str(where), value=_shown(value), remedy=remedy, has_value=True),
+        ShardplanWarning,
+        stacklevel=level,
+    )
+
+
 def short_float(x: float) -> float:
     """Rounds ``x`` to 12 significant digits, undoing unit-conversion noise (1.5e-6 * 1e6)."""
     return float(f"{x:.12g}")
@@ -197,29 +228,23 @@ def _record_lines(node: yaml.Node, path: str, lines: dict[str, int], file: str) 
             _record_lines(item, child, lines, file)
 
 
-def load_yaml(path: str | os.PathLike[str]) -> tuple[Any, Where]:
+def load_yaml(path: str | os.PathLike[str], *, what: str = "cluster file") -> tuple[Any, Where]:
     """Parses a YAML file, keeping the line of every key for error messages.
 
     Args:
       path: the file.
+      what: what the file is, for messages ("cluster file", "device spec").
 
     Returns:
       ``(data, where)``: the parsed document and the top-level :class:`Where` of the file.
 
     Raises:
-      ClusterError: the file cannot be read, does not parse (message names file, line and column)
-        or repeats a key.
+      ClusterError: the file cannot be read (missing, a directory, no permission), is not UTF-8
+        (message names the line, column and byte offset of the first bad byte), does not parse
+        (message names file, line and column) or repeats a key.
     """
+    text = read_text(path, what=what, error=ClusterError, remedy="check the path")
     file = os.fspath(path)
-    try:
-        text = Path(file).read_text(encoding="utf-8")
-    except OSError as e:
-        raise fail(
-            file,
-            "cannot read the file",
-            f"{type(e).__name__}: {e.strerror or e}",
-            "check the path (relative paths are relative to the current directory)",
-        ) from e
     loader = _Loader(text)
     lines: dict[str, int] = {}
     try:

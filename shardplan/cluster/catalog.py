@@ -36,6 +36,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from shardplan.cluster._ranges import (
+    DEVICE_MEMORY_BYTES,
+    HBM_BANDWIDTH_BYTES_PER_S,
+    PEAK_FLOPS_PER_S,
+    check_plausible,
+)
 from shardplan.cluster._schema import (
     Where,
     as_float,
@@ -117,7 +123,16 @@ def _parse_peak(value: object, where: Where) -> dict[str, float]:
             dict(peak_in),
             "give the dense peak of each supported dtype, e.g. {bf16: 312e12}",
         )
-    return {k: as_float(v, where.key(k), what="a peak FLOP/s figure") for k, v in peak_in.items()}
+    peak = {k: as_float(v, where.key(k), what="a peak FLOP/s figure") for k, v in peak_in.items()}
+    for dtype, flops in peak.items():
+        check_plausible(
+            flops,
+            where.key(dtype),
+            PEAK_FLOPS_PER_S,
+            key=f"peak_flops_per_s.{dtype}",
+            written=peak_in[dtype],
+        )
+    return peak
 
 
 def _parse_efficiency(value: object, where: Where, *, complete: bool) -> Efficiency:
@@ -181,6 +196,10 @@ def parse_device(data: object, where: Where, *, catalog: bool) -> DeviceSpec:
 
     Raises:
       ClusterError: naming the key path, the value and a remedy.
+
+    Warns:
+      ShardplanWarning: a peak FLOP/s, memory or memory bandwidth figure outside its plausible
+        range (a unit slip such as ``memory_bytes: 80`` for 80 GB; :mod:`._ranges`).
     """
     d = as_mapping(data, where, what="a device spec")
     required = _CATALOG_REQUIRED if catalog else _INLINE_REQUIRED
@@ -214,16 +233,32 @@ def parse_device(data: object, where: Where, *, catalog: bool) -> DeviceSpec:
         for key in ("intra_node_link", "inter_node_link")
     }
     price = d.get("price_per_hour_usd")
+    memory = as_int(d["memory_bytes"], where.key("memory_bytes"), what="memory in bytes")
+    check_plausible(
+        memory,
+        where.key("memory_bytes"),
+        DEVICE_MEMORY_BYTES,
+        key="memory_bytes",
+        written=d["memory_bytes"],
+    )
+    hbm = as_float(
+        d["hbm_bandwidth_bytes_per_s"],
+        where.key("hbm_bandwidth_bytes_per_s"),
+        what="a memory bandwidth in bytes/s",
+    )
+    check_plausible(
+        hbm,
+        where.key("hbm_bandwidth_bytes_per_s"),
+        HBM_BANDWIDTH_BYTES_PER_S,
+        key="hbm_bandwidth_bytes_per_s",
+        written=d["hbm_bandwidth_bytes_per_s"],
+    )
     return DeviceSpec(
         name=name,
         vendor=as_str(d.get("vendor", "unknown"), where.key("vendor"), what="a vendor"),
         peak_flops_per_s=peak,
-        memory_bytes=as_int(d["memory_bytes"], where.key("memory_bytes"), what="memory in bytes"),
-        hbm_bandwidth_bytes_per_s=as_float(
-            d["hbm_bandwidth_bytes_per_s"],
-            where.key("hbm_bandwidth_bytes_per_s"),
-            what="a memory bandwidth in bytes/s",
-        ),
+        memory_bytes=memory,
+        hbm_bandwidth_bytes_per_s=hbm,
         efficiency=_parse_efficiency(
             d.get("efficiency") or {}, where.key("efficiency"), complete=catalog
         ),
@@ -272,7 +307,7 @@ def catalog_names(*, directory: str | os.PathLike[str] | None = None) -> tuple[s
 def _load_catalog_file(path: str, mtime_ns: int) -> DeviceSpec:
     """Parses one catalog file; cached per (path, modification time), so edits are seen."""
     del mtime_ns  # part of the cache key only
-    data, where = load_yaml(path)
+    data, where = load_yaml(path, what="device spec file")
     spec = parse_device(data, where, catalog=True)
     stem = Path(path).stem
     if spec.name != stem:

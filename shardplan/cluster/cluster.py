@@ -42,7 +42,7 @@ from shardplan.cluster._parse import GROUP_EXAMPLE, cluster_parts, local_parts
 from shardplan.cluster._schema import FrozenMap, Where, as_str, fail, load_yaml
 from shardplan.cluster.catalog import catalog_names, load_device
 from shardplan.cluster.device import DeviceSpec
-from shardplan.cluster.group import LINK_HINT, DeviceGroup, GroupLink
+from shardplan.cluster.group import LINK_HINT, DeviceGroup, GroupLink, check_device_count
 from shardplan.cluster.link import Link
 from shardplan.errors import ClusterError, format_error
 
@@ -100,6 +100,13 @@ class Cluster:
                     names,
                     "give each group a distinct name",
                 )
+        total = sum(g.num_devices for g in groups)
+        check_device_count(
+            total,
+            where.key("groups"),
+            what=f"the groups have {total:,} devices",
+            value={g.name: g.num_devices for g in groups},
+        )
         locations: dict[int, tuple[int, int]] = {}
         for gi, group in enumerate(groups):
             for k, device_id in enumerate(group.device_ids):

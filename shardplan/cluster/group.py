@@ -9,10 +9,47 @@ from shardplan.cluster.device import DeviceSpec
 from shardplan.cluster.link import Link
 from shardplan.errors import ClusterError, format_error
 
-__all__ = ["LINK_HINT", "DeviceGroup", "GroupLink"]
+__all__ = ["LINK_HINT", "MAX_DEVICES", "DeviceGroup", "GroupLink", "check_device_count"]
 
 LINK_HINT = "{bandwidth_GB_s: <GB/s per direction per device>, latency_us: <µs>}"
 """How a link is written, for remedies in error messages."""
+
+MAX_DEVICES = 2**20
+"""The most devices a cluster may describe (1,048,576), in all and so in any group or node.
+
+A cluster holds one id per device (``DeviceGroup.device_ids``, ``Cluster``'s id map), so a
+count is checked against this limit before anything of its size is built: ``nodes: 1e9`` is
+then an error in microseconds, not an exhausted memory. The limit is about 5x the largest
+training clusters built so far (~200,000 GPUs, 2025) and 1,024x the largest cluster
+shardplan's configs and benchmarks plan (configs/clusters/h100_a100_l4x1024.yaml, 1,024 GPUs);
+a cluster of this size takes about a second and a few hundred MB to describe."""
+
+
+def check_device_count(
+    count: float, where: Where | str, *, what: str, value: object = None
+) -> None:
+    """Raises a ClusterError when ``count`` devices are more than :data:`MAX_DEVICES`.
+
+    Args:
+      count: the number of devices (a node count stands for at least that many devices).
+      where: the key path of the count (``groups[0].nodes``) or of the group it belongs to.
+      what: the start of the sentence, ending with the count ("the group has 2,048 x 1,024 =
+        2,097,152 devices").
+      value: the value to show; default ``count``.
+
+    Raises:
+      ClusterError: naming ``where``, the value and the limit.
+    """
+    if count <= MAX_DEVICES:
+        return
+    raise fail(
+        where,
+        f"{what}, more than the {MAX_DEVICES:,} devices a cluster may have",
+        count if value is None else value,
+        f"describe at most {MAX_DEVICES:,} devices in all (shardplan.cluster.group.MAX_DEVICES; "
+        "the largest training clusters have ~200,000); check the count for a typing slip "
+        "(nodes and devices_per_node are counts, e.g. nodes: 128, devices_per_node: 8)",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +87,13 @@ class DeviceGroup:
             )
         as_int(self.nodes, where.key("nodes"), what="a node count")
         as_int(self.devices_per_node, where.key("devices_per_node"), what="a device count per node")
+        check_device_count(
+            self.nodes * self.devices_per_node,
+            where,
+            what=f"the group has {self.nodes:,} x {self.devices_per_node:,} = "
+            f"{self.nodes * self.devices_per_node:,} devices",
+            value={"nodes": self.nodes, "devices_per_node": self.devices_per_node},
+        )
         for key in ("intra_node", "inter_node"):
             link = getattr(self, key)
             if link is not None and not isinstance(link, Link):

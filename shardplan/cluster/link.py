@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from shardplan.cluster._ranges import LINK_BANDWIDTH_GB_S, LINK_LATENCY_US, check_plausible
 from shardplan.cluster._schema import Where, as_float, as_mapping, check_keys, short_float
 
 __all__ = ["Link", "parse_link"]
@@ -66,6 +67,10 @@ def parse_link(value: object, where: Where) -> Link:
     Raises:
       ClusterError: not a mapping, an unknown key, a missing or non-positive bandwidth, or a
         missing or negative latency.
+
+    Warns:
+      ShardplanWarning: a bandwidth or latency outside its plausible range (a unit slip such as
+        bytes/s under ``bandwidth_GB_s``; see :mod:`shardplan.cluster._ranges`).
     """
     link = as_mapping(value, where, what="a link {bandwidth_GB_s, latency_us}")
     check_keys(
@@ -88,5 +93,19 @@ def parse_link(value: object, where: Where) -> Link:
         where.key("latency_us"),
         what="a latency in microseconds",
         allow_minimum=True,
+    )
+    check_plausible(
+        bandwidth,
+        where.key("bandwidth_GB_s"),
+        LINK_BANDWIDTH_GB_S,
+        key="bandwidth_GB_s",
+        written=link["bandwidth_GB_s"],
+    )
+    check_plausible(
+        latency,
+        where.key("latency_us"),
+        LINK_LATENCY_US,
+        key="latency_us",
+        written=link["latency_us"],
     )
     return Link(bandwidth * _BYTES_PER_GB, latency / _US_PER_S)

@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from shardplan._files import read_text
 from shardplan.errors import ConfigError, did_you_mean, format_error, unknown_key
 from shardplan.planner.config import conform
 
@@ -267,15 +268,7 @@ def read_yaml(path: Path, root: type) -> dict[str, Any]:
       ConfigError: the file cannot be read (naming it), is not YAML (file:line:column), or
         holds no mapping (naming the sections of ``root``).
     """
-    try:
-        text = path.read_text()
-    except OSError as err:
-        raise fail(
-            f"Cannot read the run config: {err.strerror}.",
-            str(path),
-            str(path),
-            "check the path (configs/train/ has examples)",
-        ) from err
+    text = read_text(path, what="run config", remedy="check the path (configs/train/ has examples)")
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:
