@@ -4,7 +4,7 @@ A plan records the types of the arguments it was made for (``state_types``,
 ``batch_types``), the op graph's fingerprint, the cluster's hash and outline. A plan applied
 to something else is refused with a :class:`~shardplan.errors.PlanMismatchError` that names
 the difference a user can act on: a state leaf added, missing or of another shape, a batch of
-another size, another layer count, a cluster with other devices.
+another size, a stage layer the step does not have, a cluster with other devices.
 
 Example:
     >>> from shardplan.plan.plan import _example
@@ -16,10 +16,10 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from shardplan.errors import PlanMismatchError, format_error
+from shardplan.errors import PlanMismatchError, did_you_mean, format_error
 from shardplan.plan.plan import Plan, natural_key
 
 __all__ = ["check_plan_matches", "plan_differences"]
@@ -49,6 +49,26 @@ def _type_differences(what: str, plan_types: Mapping[str, str],
     if len(changed) > _SHOWN:
         out.append(f"and {len(changed) - _SHOWN} more {what} leaves of another shape or dtype")
     return out
+
+
+def _layer_differences(plan: Plan, names: Sequence[str]) -> list[str]:
+    """The plan's stages' layers against the step's (by name)."""
+    out = []
+    have = dict.fromkeys(names)
+    for i, stage in enumerate(plan.stages):
+        for name in stage.layers:
+            if name not in have:
+                hint = did_you_mean(name, have).strip()
+                out.append(f"stages[{i}].layers: {name!r} is not a layer of the step"
+                           + (f" ({hint})" if hint else ""))
+    run = {name for stage in plan.stages for name in stage.layers}
+    idle = [name for name in names if name not in run]
+    if idle:
+        shown = ", ".join(map(repr, idle[:_SHOWN]))
+        more = f" and {len(idle) - _SHOWN} more" if len(idle) > _SHOWN else ""
+        out.append(f"layers: the step's {shown}{more} run in no stage of the plan "
+                   f"(the plan has {len(run)} layers, the step {len(names)})")
+    return out[:_SHOWN + 1]
 
 
 def _cluster_differences(plan: Plan, cluster_hash: str, info: Mapping[str, Any]) -> list[str]:
@@ -81,24 +101,29 @@ def _devices(entry: Any) -> str:
 
 def plan_differences(plan: Plan, /, *, state_types: Mapping[str, str] | None = None,
                      batch_types: Mapping[str, str] | None = None,
-                     graph_fingerprint: str | None = None, layer_count: int | None = None,
+                     graph_fingerprint: str | None = None,
+                     layer_names: Sequence[str] | None = None,
                      cluster_hash: str | None = None,
                      cluster_info: Mapping[str, Any] | None = None) -> list[str]:
     """What differs between what ``plan`` was made for and what is given (one line each);
-    empty when everything given matches. Arguments left at None are not compared."""
+    empty when everything given matches. Arguments left at None are not compared.
+
+    ``layer_names`` are the step's layers: a plan's stage naming a layer the step does not
+    have, or a step layer no stage runs, is named (with the closest name)."""
     out: list[str] = []
     if state_types is not None:
         out += _type_differences("state", plan.state_types, state_types)
     if batch_types is not None:
         out += _type_differences("batch", plan.batch_types, batch_types)
-    if graph_fingerprint is not None and graph_fingerprint != plan.graph_fingerprint:
-        planned = len({name for s in plan.stages for name in s.layers})
-        if layer_count is not None and layer_count != planned:
-            out.append(f"layers: the plan has {planned}, the step has {layer_count}")
-        elif not out:
-            out.append("the step computes something else on arguments of the same types (its "
-                       f"graph fingerprint is {graph_fingerprint}, the plan's "
-                       f"{plan.graph_fingerprint})")
+    if layer_names is not None:
+        out += _layer_differences(plan, layer_names)
+    if (graph_fingerprint is not None and graph_fingerprint != plan.graph_fingerprint
+            and not out):
+        out.append("the step computes something else on arguments of the same types: its "
+                   "program differs from the one planned (another model, loss, or "
+                   "learning-rate schedule of another form, such as a run no longer than "
+                   f"its warmup; graph fingerprint {graph_fingerprint}, the plan's "
+                   f"{plan.graph_fingerprint})")
     if cluster_hash is not None:
         out += _cluster_differences(plan, cluster_hash, cluster_info or {})
     return out

@@ -7,8 +7,10 @@ equal inputs give equal JSON (up to the solver's wall-clock fields, :data:`VOLAT
 
 Constructors validate: fields that contradict each other (a spec naming an axis its stage's mesh
 lacks, mesh sizes vs device ids, stage numbering, a parameter on a missing stage) raise
-:class:`~shardplan.errors.PlanMismatchError`; values of the wrong type or range raise
-:class:`~shardplan.errors.ConfigError`.
+:class:`~shardplan.errors.PlanMismatchError`; values of the wrong type or range (a remat policy
+or schedule shardplan does not know, a leaf type that is not ``dtype[shape]``), a spec with more
+entries than its leaf's recorded rank, and replicas that do not run the same layers once each
+(what a hand-edited plan file gets wrong) raise :class:`~shardplan.errors.ConfigError`.
 
 Example:
     >>> mesh = MeshSpec(("data",), (2,), (0, 1))
@@ -32,11 +34,16 @@ from typing import TYPE_CHECKING, Any
 
 from shardplan.plan._values import (
     ACCUMULATIONS,
+    PLAN_SCHEDULES,
+    REMATS,
     FrozenMap,
     Spec,
+    _check_choice,
     _check_float,
     _check_int,
     _check_ints,
+    _check_rank,
+    _check_replica_layers,
     _check_str,
     _check_strs,
     _config_error,
@@ -45,6 +52,7 @@ from shardplan.plan._values import (
     _sequence,
     as_spec,
     natural_key,
+    parse_type,
 )
 
 if TYPE_CHECKING:
@@ -173,7 +181,8 @@ class Stage:
                                 remedy="pass MeshSpec(axis_names, axis_sizes, device_ids)")
         object.__setattr__(self, "layers",
                            _check_strs(self.layers, where=f"stages[{self.index}].layers"))
-        _check_str(self.remat, where=f"stages[{self.index}].remat")
+        _check_choice(self.remat, REMATS, where=f"stages[{self.index}].remat",
+                      what="remat policy")
         _check_int(self.replica, where=f"stages[{self.index}].replica")
         _check_str(self.layout, where=f"stages[{self.index}].layout", empty_ok=True)
 
@@ -390,7 +399,7 @@ class Plan:
         for name in ("state_types", "batch_types"):
             object.__setattr__(self, name, FrozenMap({
                 _check_str(k, where=f"plan.{name} key", empty_ok=True):
-                _check_str(v, where=f"plan.{name}[{k!r}]")
+                _checked_type(v, where=f"plan.{name}[{k!r}]")
                 for k, v in _mapping(getattr(self, name), where=f"plan.{name}",
                                      example="{'params/w': 'float32[8,16]'}").items()}))
         for name in ("cluster_info", "compiled", "measured"):
@@ -403,7 +412,8 @@ class Plan:
         for name in ("shardplan_version", "graph_fingerprint", "cluster_hash", "config_hash"):
             _check_str(getattr(self, name), where=f"plan.{name}", empty_ok=True)
         _check_int(self.microbatches, where="plan.microbatches", minimum=1)
-        _check_str(self.schedule, where="plan.schedule")
+        _check_choice(self.schedule, PLAN_SCHEDULES, where="plan.schedule",
+                      what="pipeline schedule")
         if self.accumulation not in ACCUMULATIONS:
             raise _config_error(
                 "plan.accumulation is not one the runtime knows.", where="plan.accumulation",
@@ -428,6 +438,9 @@ class Plan:
         object.__setattr__(self, "batch_specs", _check_batch_specs(
             self.batch_specs, tuple(s for s in stages if not s.layout)))
         object.__setattr__(self, "constraints", _check_constraints(self.constraints, stages))
+        _check_replica_layers([r.stages for r in self.replicas],
+                              [s.layers for s in stages], listed=bool(self.replicas))
+        _check_ranks(self)
         devices = {d for s in stages for d in s.mesh.device_ids}
         unknown = sorted(set(self.predicted.memory_bytes) - devices)
         if unknown:
@@ -764,3 +777,26 @@ def _check_batch_specs(value: object, stages: tuple[Stage, ...]) -> FrozenMap[st
             _check_axes(spec, stage, where=where)
         out[key] = spec
     return FrozenMap(out)
+
+
+def _checked_type(value: object, *, where: str) -> str:
+    """``value`` if it is a ``"dtype[shape]"`` string (:func:`parse_type`)."""
+    parse_type(value, where=where)
+    return str(value)
+
+
+def _check_ranks(plan: Plan) -> None:
+    """Raises ConfigError where a spec has more entries than its leaf has dimensions (as
+    ``plan.state_types`` / ``batch_types`` record them; leaves without a type are not checked:
+    plans of schema version 3 record none)."""
+    groups: list[tuple[str, Mapping[str, Spec], Mapping[str, str]]] = [
+        ("plan.param_specs", {k: spec for k, (_, spec) in plan.param_specs.items()},
+         plan.state_types),
+        ("plan.batch_specs", plan.batch_specs, plan.batch_types)]
+    for name, layout in plan.layouts.items():
+        groups += [(f"plan.layouts[{name!r}].param_specs", layout.param_specs, plan.state_types),
+                   (f"plan.layouts[{name!r}].batch_specs", layout.batch_specs, plan.batch_types)]
+    for where, specs, types in groups:
+        for key, spec in specs.items():
+            if key in types:
+                _check_rank(spec, types[key], where=f"{where}[{key!r}]")

@@ -32,7 +32,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardplan.errors import ShardplanError
+from shardplan.errors import ConfigError, ShardplanError, format_error
 from shardplan.plan.explain import (
     chosen_label,
     peak_memory_bytes,
@@ -293,6 +293,10 @@ def plan_html(plan: Plan, /) -> str:
 def write_html(plan: Plan, path: str | os.PathLike[str], /) -> Path:
     """Writes :func:`plan_html` to ``path`` (UTF-8) and returns the path.
 
+    Raises:
+      ConfigError: ``path`` is a directory, its directory does not exist, or it cannot be
+        written; the message names the path.
+
     Example:
         >>> import tempfile
         >>> from shardplan.plan.plan import _example
@@ -301,7 +305,25 @@ def write_html(plan: Plan, path: str | os.PathLike[str], /) -> Path:
         True
     """
     target = Path(path)
-    target.write_text(plan_html(plan), encoding="utf-8")
+    if target.is_dir():
+        raise ConfigError(format_error(
+            "Cannot write the HTML report: the path is a directory.", where=str(target),
+            remedy=f"give a file name, e.g. {target / 'report.html'}"))
+    if not target.parent.is_dir():
+        exists = target.parent.exists()
+        raise ConfigError(format_error(
+            "Cannot write the HTML report: "
+            + ("its parent is not a directory." if exists else "its directory does not exist."),
+            where=str(target), value=str(target.parent),
+            remedy="give a path in an existing directory" if exists else
+                   f"create the directory first (mkdir -p {target.parent}), or give another path"))
+    text = plan_html(plan)
+    try:
+        target.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(format_error(
+            f"Cannot write the HTML report: {exc.strerror or exc}.", where=str(target),
+            remedy="check the path and its permissions, or give another path")) from exc
     return target
 
 

@@ -33,6 +33,7 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from shardplan.errors import ConfigError, format_error
 from shardplan.plan.plan import natural_key
 from shardplan.plan.summary import (
     MAX_STAGE_ROWS,
@@ -52,7 +53,8 @@ from shardplan.viz.data import capacities, devices, memory, parse_type
 if TYPE_CHECKING:
     from shardplan.plan.plan import Plan, Spec
 
-__all__ = ["TimelineLike", "gantt_lines", "memory_lines", "show", "show_text"]
+__all__ = ["MIN_WIDTH", "TimelineLike", "check_width", "gantt_lines", "memory_lines", "show",
+           "show_text"]
 
 # (Past 600 lines: one short renderer per section of `shardplan show`, sharing the console
 # settings and the width handling; the figures themselves come from viz/data.py.)
@@ -71,6 +73,11 @@ MAX_MEMORY_GROUPS = 12
 
 LABEL_WIDTH = 14
 """Columns of a Gantt row's label (``r0 s2``; longer labels are cut)."""
+
+MIN_WIDTH = 40
+"""The fewest columns the view is drawn in (``shardplan show --width``): at 40 a Gantt row keeps
+23 columns of schedule beside its label, and a sharding row its shape, spec and leaf count;
+narrower, most lines are cut short of their figures (at 0, rich prints nothing at all)."""
 
 _STYLES = {FORWARD: "blue", BACKWARD: "green", BUBBLE: "dim"}
 _MEMORY_STYLES = {PARAMS: "magenta", GRADS: "yellow", OPTIMIZER: "cyan", OTHER: "blue",
@@ -103,12 +110,16 @@ def show_text(plan: Plan, /, *, width: int = MAX_WIDTH, color: bool = False) -> 
 
     Args:
       plan: the plan.
-      width: columns; every line fits them.
+      width: columns (at least :data:`MIN_WIDTH`); every line fits them.
       color: include ANSI colour codes (``False``: plain text, as with ``NO_COLOR``).
 
     Returns:
       The rendered text, lines separated by ``\\n``.
+
+    Raises:
+      ConfigError: ``width`` is below :data:`MIN_WIDTH`.
     """
+    check_width(width, where="show_text(width=...)")
     buffer = io.StringIO()
     console = _console(buffer, width=width, color=color)
     _print(console, plan)
@@ -122,12 +133,31 @@ def show(plan: Plan, /, *, width: int = MAX_WIDTH, file: TextIO | None = None) -
 
     Args:
       plan: the plan.
-      width: columns; every line fits them.
+      width: columns (at least :data:`MIN_WIDTH`); every line fits them.
       file: where to print (default ``sys.stdout``).
+
+    Raises:
+      ConfigError: ``width`` is below :data:`MIN_WIDTH`.
     """
+    check_width(width, where="show(width=...)")
     out = file if file is not None else sys.stdout
     color = out.isatty() and not os.environ.get("NO_COLOR")
     _print(_console(out, width=width, color=color), plan)
+
+
+def check_width(width: object, /, *, where: str = "width") -> int:
+    """``width`` if the view can be drawn in that many columns (at least :data:`MIN_WIDTH`).
+
+    Raises:
+      ConfigError: ``width`` is not an integer >= :data:`MIN_WIDTH`; the message names
+        ``where`` (``--width`` on the command line).
+    """
+    if isinstance(width, bool) or not isinstance(width, int) or width < MIN_WIDTH:
+        raise ConfigError(format_error(
+            f"The terminal view needs at least {MIN_WIDTH} columns.", where=where, value=width,
+            remedy=f"give a width of {MIN_WIDTH} or more (default {MAX_WIDTH})",
+            has_value=True))
+    return width
 
 
 def _console(file: TextIO, *, width: int, color: bool) -> Console:
