@@ -316,10 +316,11 @@ def test_auto_runs_an_nnx_split_state_like_the_unsharded_step(cluster) -> None:
     assert "0/up/kernel/value" in plan.param_specs and plan.num_devices == 4
 
 
-def test_auto_on_a_mixed_cluster_runs_the_stage_planners_plan(counted) -> None:
+def test_auto_on_a_mixed_cluster_runs_the_stage_planners_plan(counted, tmp_path) -> None:
     train_step, step, counts = counted
     mixed = sp.Cluster.local(types={"a100-80g": 4, "v100-32g": 4})
-    run = sp.auto(train_step, cluster=mixed, config=sp.PlanConfig(time_limit_s=5))
+    config = sp.PlanConfig(time_limit_s=5)
+    run = sp.auto(train_step, cluster=mixed, config=config, cache_dir=tmp_path)
     state, x = _real_state()
     ref, got = state, jax.tree.map(jnp.copy, state)
     for _ in range(3):
@@ -334,3 +335,7 @@ def test_auto_on_a_mixed_cluster_runs_the_stage_planners_plan(counted) -> None:
     assert plan.microbatches > 1 or len(plan.stages) > 1
     assert counts["make_plan"] == 1
     assert any(p["name"].startswith("replica 0 task") for p in plan.compiled["programs"])
+    # A new sp.auto (as a new process would have) reuses the multi-stage plan from disk.
+    again = sp.auto(train_step, cluster=mixed, config=config, cache_dir=tmp_path)
+    again(got, x)
+    assert counts["make_plan"] == 1 and list(again.sources.values()) == ["disk"]

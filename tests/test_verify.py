@@ -76,12 +76,12 @@ def test_a_plan_for_another_batch_size_names_the_batch(planned) -> None:
         sp.apply_plan(step, plan)(_state(), jnp.ones((8, WIDTH)))
 
 
-def test_check_plan_names_another_layer_count_and_another_cluster(planned, cluster) -> None:
+def test_check_plan_names_the_layers_no_stage_runs_and_another_cluster(planned, cluster) -> None:
     step, plan = planned
     sp.check_plan(plan, step, *_abstract((_state(), jnp.ones((BATCH, WIDTH)))), cluster=cluster)
     deeper, state, x = mlp_step(WIDTH, BATCH, layers=3)
-    with pytest.raises(sp.PlanMismatchError, match=r"(?s)state/0/2/bias.*layers: the plan has "
-                                                   r"\d+, the step has \d+"):
+    with pytest.raises(sp.PlanMismatchError, match=r"(?s)state/0/2/bias.*layers: the step's "
+                                                   r".* run in no stage of the plan"):
         sp.check_plan(plan, deeper, state, x)
     other = sp.Cluster.local(types={"a100-80g": 2, "v100-32g": 2}, devices=jax.devices()[:4])
     with pytest.raises(sp.PlanMismatchError,

@@ -361,7 +361,7 @@ def _pipeline_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, costs: 
                    timings: dict[str, float], start: float,
                    accumulation: Sequence[str] = ()) -> Plan:
     """The :class:`Plan` of a stage-planner solution."""
-    from shardplan.planner.single import _version, graph_fingerprint
+    from shardplan.planner.single import FINGERPRINT_SAMPLES, _version, graph_fingerprint
 
     pp = solution.plan
     ev = solution.evaluation
@@ -442,6 +442,8 @@ def _pipeline_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, costs: 
         # for Plan.explain (planner/alternatives.py)
         "runner_ups": pipeline_runner_ups(solution, [g.device.name for g in cluster.groups]),
         "alternatives": {"layouts": alternatives},
+        # the batch size the fingerprinted graph was traced at (check_plan traces there too)
+        FINGERPRINT_SAMPLES: costs.reference_batch,
     }
     if not stats.optimal and math.isfinite(stats.lower_bound):
         solver["lower_bound"] = stats.lower_bound

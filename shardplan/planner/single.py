@@ -48,17 +48,74 @@ from shardplan.trace import trace
 from shardplan.trace.api import check_leaves
 from shardplan.trace.graph import OpGraph
 
-__all__ = ["PlanConfig", "graph_fingerprint", "make_plan"]
+__all__ = ["FINGERPRINT_SAMPLES", "PlanConfig", "graph_fingerprint", "make_plan", "step_fingerprint"]
 
 
 def graph_fingerprint(graph: OpGraph) -> str:
-    """A hash of what a plan depends on: argument leaves (paths, shapes, dtypes) and layers."""
+    """A hash of what a plan depends on: the argument leaves (paths, shapes, dtypes), the
+    layers, and every equation a plan may address (its path, primitive and result types: the
+    runtime pins shardings on equations by path, so a step whose program differs anywhere a
+    plan could point, such as a learning-rate schedule of another form, is another step)."""
     h = hashlib.sha256()
     for p in graph.parameters:
         h.update(f"{p.arg_index}/{p.path}:{p.shape}:{p.dtype}:{p.role}\n".encode())
     for layer in graph.layers:
         h.update(f"{layer.name}:{layer.fingerprint}\n".encode())
+    tensors = graph.tensors
+    h.update("\n".join(
+        f"{op.path}:{op.primitive}:"
+        + ",".join(f"{tensors[t].shape}{tensors[t].dtype}" for t in op.outputs)
+        for op in graph.ops if op.path is not None).encode())
     return h.hexdigest()[:16]
+
+
+FINGERPRINT_SAMPLES = "fingerprint_samples"
+"""The ``plan.solver`` key of the batch size the plan's step was traced at where it is not the
+whole batch (a multi-stage plan's layer tables are traced at the reference microbatch):
+:func:`step_fingerprint` traces there again."""
+
+
+def step_fingerprint(train_step: Callable[..., Any], state: Any, batch: Any, /, *,
+                     samples: int | None = None) -> tuple[str, OpGraph]:
+    """The :func:`graph_fingerprint` of ``train_step`` traced on ``state`` and ``batch`` (or a
+    ``samples``-sample slice of it, as a multi-stage plan records), and the graph: what a plan
+    was made from, computed the same way at plan time and at check time."""
+    from shardplan.planner.multi import batch_size, microbatch_of
+
+    if samples is not None and samples != batch_size(batch):
+        batch = microbatch_of(batch, samples)
+    graph = trace(train_step, state, batch)
+    return graph_fingerprint(graph), graph
+
+
+def check_api_arguments(caller: str, /, *, cluster: object, config: object = None,
+                        cluster_required: bool = True) -> None:
+    """Raises a ConfigError naming ``caller``'s argument when ``cluster`` is not an
+    :class:`~shardplan.cluster.Cluster` or ``config`` not a :class:`PlanConfig` (or None);
+    ``cluster=None`` is accepted only where ``cluster_required`` is false.
+
+    Example:
+        >>> try:
+        ...     check_api_arguments("make_plan", cluster="local")
+        ... except ConfigError as err:
+        ...     print(str(err).splitlines()[0])
+        make_plan(cluster=) must be an sp.Cluster.
+    """
+    if not isinstance(cluster, Cluster) and (cluster is not None or cluster_required):
+        named = (f" (a cluster file's path: sp.Cluster.from_yaml({cluster!r}))"
+                 if isinstance(cluster, str) else "")
+        raise ConfigError(format_error(
+            f"{caller}(cluster=) must be an sp.Cluster.", where=f"{caller}(cluster=)",
+            value=type(cluster).__name__,
+            remedy="pass sp.Cluster.local(), sp.Cluster.from_yaml(path) or "
+                   "sp.Cluster.from_dict(...)" + ("" if cluster_required else ", or None")
+                   + named))
+    if config is not None and not isinstance(config, PlanConfig):
+        raise ConfigError(format_error(
+            f"{caller}(config=) must be an sp.PlanConfig.", where=f"{caller}(config=)",
+            value=type(config).__name__,
+            remedy="pass sp.PlanConfig(...) (a mapping of options: sp.PlanConfig(**options)) "
+                   "or None"))
 
 
 @api_boundary  # outermost: no shardplan frame above JAX's traceback filter
@@ -108,6 +165,7 @@ def make_plan(train_step: Callable[..., Any], state: Any, batch: Any, /, *, clus
       ConfigError: an annotation does not fit its leaf or the devices (it names the key
         path), or annotations on a multi-stage plan.
     """
+    check_api_arguments("make_plan", cluster=cluster, config=config)
     config = config or PlanConfig()
     check_leaves((state, batch), ("state", "batch"))
     from shardplan.planner.multi import memory_budget

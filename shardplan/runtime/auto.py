@@ -39,7 +39,14 @@ from shardplan.errors import (
 )
 from shardplan.plan import Plan, load_plan
 from shardplan.planner.annotations import read_annotations
-from shardplan.planner.single import PlanConfig, graph_fingerprint, make_plan
+from shardplan.planner.single import (
+    FINGERPRINT_SAMPLES,
+    PlanConfig,
+    check_api_arguments,
+    graph_fingerprint,
+    make_plan,
+    step_fingerprint,
+)
 from shardplan.runtime.spmd import PlannedStep, apply_plan
 from shardplan.trace import trace
 
@@ -224,8 +231,11 @@ class AutoStep:
         if path.exists():
             try:
                 plan = load_plan(path)
+                samples: Any = plan.solver.get(FINGERPRINT_SAMPLES)
+                planned = (fingerprint if not isinstance(samples, int) else
+                           step_fingerprint(self._fn, state, batch, samples=samples)[0])
                 if (plan.graph_fingerprint, plan.cluster_hash, plan.config_hash,
-                        plan.shardplan_version) == (fingerprint, self.cluster.content_hash(),
+                        plan.shardplan_version) == (planned, self.cluster.content_hash(),
                                                     config.content_hash(),
                                                     shardplan.__version__):
                     return plan, "disk"
@@ -343,15 +353,7 @@ def auto(fn: Callable[..., Any] | None = None, /, *, cluster: Cluster | None = N
       >>> len(train_step.plans)
       1
     """
-    if cluster is not None and not isinstance(cluster, Cluster):
-        raise ConfigError(format_error(
-            "sp.auto(cluster=) must be an sp.Cluster.", where="auto(cluster=)",
-            value=type(cluster).__name__,
-            remedy="pass sp.Cluster.local(), sp.Cluster.from_yaml(path, devices=...) or None"))
-    if config is not None and not isinstance(config, PlanConfig):
-        raise ConfigError(format_error(
-            "sp.auto(config=) must be an sp.PlanConfig.", where="auto(config=)",
-            value=type(config).__name__, remedy="pass sp.PlanConfig(...) or None"))
+    check_api_arguments("auto", cluster=cluster, config=config, cluster_required=False)
 
     def wrap(fn: Callable[..., Any], /) -> AutoStep:
         if not callable(fn):

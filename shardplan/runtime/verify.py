@@ -25,9 +25,8 @@ from shardplan.errors import ConfigError, InfeasibleError, ShardplanWarning, for
 from shardplan.plan import Plan
 from shardplan.plan.match import check_plan_matches
 from shardplan.plan.summary import format_bytes
-from shardplan.planner.single import graph_fingerprint
+from shardplan.planner.single import FINGERPRINT_SAMPLES, check_api_arguments, step_fingerprint
 from shardplan.planner.stamp import arg_types, cluster_info
-from shardplan.trace import trace
 from shardplan.xla.report import MemoryReport, read_compiled
 
 __all__ = ["FIT_WARNING_RATIO", "MEASURE_STEPS", "StepTimer", "check_arguments", "check_fits",
@@ -65,13 +64,16 @@ def check_plan(plan: Plan, train_step: Callable[..., Any], state: Any, batch: An
                cluster: Cluster | None = None) -> None:
     """Checks that ``plan`` was made for ``train_step`` on these arguments (and ``cluster``).
 
-    Traces the step (abstractly; ``state`` and ``batch`` may be ``ShapeDtypeStruct``s) and
-    compares the argument types, the op graph's fingerprint and layer count, and the cluster's
-    hash with what the plan records.
+    Traces the step (abstractly; ``state`` and ``batch`` may be ``ShapeDtypeStruct``s) as the
+    planner did (a multi-stage plan's at the batch size its layer tables were traced at,
+    ``plan.solver["fingerprint_samples"]``) and compares the argument types, the op graph's
+    fingerprint (:func:`~shardplan.planner.single.graph_fingerprint`) and layers, and the
+    cluster's hash with what the plan records.
 
     Raises:
       PlanMismatchError: naming every difference found: a state or batch leaf of another shape
-        or dtype, added or missing; another layer count; a cluster with other devices.
+        or dtype, added or missing; a stage layer the step does not have, or a step layer no
+        stage runs; another program; a cluster with other devices.
 
     Example:
       >>> import jax, jax.numpy as jnp, shardplan as sp
@@ -81,10 +83,13 @@ def check_plan(plan: Plan, train_step: Callable[..., Any], state: Any, batch: An
       >>> plan = sp.make_plan(step, w, x, cluster=cluster)
       >>> sp.check_plan(plan, step, w, x, cluster=cluster)  # the same: nothing raised
     """
-    graph = trace(train_step, state, batch)
+    check_api_arguments("check_plan", cluster=cluster, cluster_required=False)
+    samples: Any = plan.solver.get(FINGERPRINT_SAMPLES)
+    fingerprint, graph = step_fingerprint(train_step, state, batch,
+                                          samples=samples if isinstance(samples, int) else None)
     check_plan_matches(
         plan, state_types=arg_types(state), batch_types=arg_types(batch),
-        graph_fingerprint=graph_fingerprint(graph), layer_count=len(graph.layers),
+        graph_fingerprint=fingerprint, layer_names=[layer.name for layer in graph.layers],
         cluster_hash=cluster.content_hash() if cluster is not None else None,
         cluster_info=cluster_info(cluster) if cluster is not None else None)
 
