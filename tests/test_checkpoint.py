@@ -120,7 +120,9 @@ def test_asynchronous_save_round_trip(tmp_path: Path) -> None:
         ckpt.save(1, state, meta={})
         ckpt.wait()
         assert ckpt.all_steps() == [1]
-        _assert_bit_equal(ckpt.restore(target=_target_like(state)).state, state)
+        restored = ckpt.restore(target=_target_like(state))
+        _assert_bit_equal(restored.state, state)
+        assert restored.verified  # the checksums written once the background save committed
 
 
 def test_keeps_the_last_k_and_saves_every_n(tmp_path: Path) -> None:
@@ -225,6 +227,51 @@ def test_a_damaged_latest_step_names_the_intact_one(tmp_path: Path) -> None:
         message = str(caught.value)
         assert str(tmp_path / "2") in message and "step 1 is intact" in message
         _assert_bit_equal(ckpt.restore(1, target=target).state, _small_state(1))
+
+
+def _flip(path: Path, offset: int, count: int = 64) -> None:
+    """Inverts ``count`` bytes of ``path`` from ``offset`` (the file keeps its size)."""
+    data = bytearray(path.read_bytes())
+    for i in range(offset, min(offset + count, len(data))):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_bytes_in_a_checkpoint_file_are_named_not_restored(tmp_path: Path) -> None:
+    # 64 bytes of the arrays' data inverted in place, the size unchanged: before checksums,
+    # orbax restored the damaged values without a word.
+    with Checkpointer(tmp_path, every_steps=1, keep=3) as ckpt:
+        ckpt.save(1, _small_state(1), meta={"step": 1})
+        ckpt.save(2, _small_state(2), meta={"step": 2})
+    assert (tmp_path / "2" / "checksums.json").is_file()
+    data = max((p for p in (tmp_path / "2" / "state").rglob("*") if p.is_file()),
+               key=lambda p: p.stat().st_size)  # the largest file: array data
+    size = data.stat().st_size
+    _flip(data, size // 2)
+    assert data.stat().st_size == size
+    target = _target_like(_small_state())
+    with Checkpointer(tmp_path, every_steps=1, keep=3) as ckpt:
+        verdict = ckpt.verify(2)
+        assert not verdict.ok and verdict.file == data and "SHA-256 differs" in verdict.problem
+        with pytest.raises(CheckpointError) as caught:
+            ckpt.restore(target=target)
+        message = str(caught.value)
+        assert "step 2 is damaged" in message and str(data) in message
+        assert "step 1 is intact" in message and ckpt.intact_before(2) == 1
+        restored = ckpt.restore(1, target=target)
+        assert restored.verified
+        _assert_bit_equal(restored.state, _small_state(1))
+
+
+def test_a_step_without_checksums_restores_as_unverified(tmp_path: Path) -> None:
+    # a step written before checksums existed, or killed between orbax's commit and them
+    with Checkpointer(tmp_path, every_steps=1, keep=3) as ckpt:
+        ckpt.save(1, _small_state(1), meta={"step": 1})
+    (tmp_path / "1" / "checksums.json").unlink()
+    with Checkpointer(tmp_path, every_steps=1, keep=3) as ckpt:
+        restored = ckpt.restore(target=_target_like(_small_state()))
+    assert not restored.verified
+    _assert_bit_equal(restored.state, _small_state(1))
 
 
 _KILLED_SAVE = """

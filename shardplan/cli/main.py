@@ -28,6 +28,7 @@ from shardplan.errors import ConfigError, ShardplanError, format_error
 
 if TYPE_CHECKING:
     from shardplan.cluster import Cluster
+    from shardplan.train._lock import RunLock
     from shardplan.train.config import RunConfig
 
 __all__ = ["CalibrateConfig", "PlanCommandConfig", "ShowConfig", "TraceConfig",
@@ -287,11 +288,29 @@ def train_main(path: str, overrides: Sequence[str]) -> int:
     """``shardplan train config.yaml [--section.key=value ...]``."""
     import os
 
-    import jax
-
     from shardplan.train.config import load_run_config
 
     config = load_run_config(path, overrides)
+    from shardplan.runtime.distributed import PROCESS_ID
+    from shardplan.train._lock import RunLock
+
+    # Process 0 locks the run directory first, so that a second run on it is refused before
+    # the model code loads; train() checks the lock is on output.dir.
+    lock = (RunLock(config.output.dir).acquire()
+            if int(os.environ.get(PROCESS_ID) or 0) == 0 else None)
+    try:
+        return _train(config, lock)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(config: RunConfig, lock: RunLock | None) -> int:
+    """:func:`train_main` once the run directory is locked (by process 0)."""
+    import os
+
+    import jax
+
     from shardplan.runtime.distributed import NUM_PROCESSES, initialize_distributed
 
     devices = _cpu_devices(config)
@@ -299,14 +318,18 @@ def train_main(path: str, overrides: Sequence[str]) -> int:
         jax.config.update("jax_num_cpu_devices", devices)
     if os.environ.get(NUM_PROCESSES):
         initialize_distributed()  # under `shardplan launch`: one process of the job
-    from shardplan.train.loop import train
+    from shardplan.train.loop import RunStopped, train
 
     local = config.cluster.local
     main_process = jax.process_index() == 0
     if jax.default_backend() == "cpu" and local is not None and local.types and main_process:
         print("note: the device types are emulated on CPU devices; the plan is made for "
               f"{dict(local.types)}, and CPU timings say nothing about them")
-    result = train(config, progress=sys.stderr.isatty())
+    try:
+        result = train(config, progress=sys.stderr.isatty(), lock=lock)
+    except RunStopped as stop:  # SIGINT / SIGTERM: one line, the shell's exit status
+        print(f"shardplan train: {stop}", file=sys.stderr, flush=True)
+        return stop.exit_code
     if not main_process:
         return 0
     first = result.val_losses.get(result.first_step)
@@ -324,8 +347,8 @@ class ShowConfig:
 
     Attributes:
       plan: the plan file (``plan.save`` / ``shardplan train`` wrote it).
-      html: also write the self-contained HTML report here.
-      width: columns of the terminal view.
+      html: also write the self-contained HTML report here (a file in an existing directory).
+      width: columns of the terminal view (at least ``viz.terminal.MIN_WIDTH``, 40).
     """
 
     plan: str
@@ -335,16 +358,26 @@ class ShowConfig:
 
 def show_main(config: ShowConfig) -> int:
     """Prints the terminal view of a saved plan (:mod:`shardplan.viz.terminal`), and with
-    ``config.html`` writes the HTML report and prints its path."""
-    from shardplan.plan import load_plan
-    from shardplan.viz.terminal import show
+    ``config.html`` writes the HTML report and prints its path.
 
+    Raises:
+      ConfigError: a width below the view's minimum (``--width``), a plan file that cannot be
+        read or is not a valid plan, an HTML path that cannot be written; checked before
+        anything is printed.
+    """
+    from shardplan.plan import load_plan
+    from shardplan.viz.terminal import check_width, show
+
+    check_width(config.width, where="shardplan show --width")
     plan = load_plan(config.plan)
-    show(plan, width=config.width)
+    report = None
     if config.html:
         from shardplan.viz.html import write_html
 
-        print(f"wrote {write_html(plan, config.html)}")
+        report = write_html(plan, config.html)  # first: a path it cannot write fails early
+    show(plan, width=config.width)
+    if report is not None:
+        print(f"wrote {report}")
     return 0
 
 
@@ -395,6 +428,9 @@ def _parser() -> argparse.ArgumentParser:
     lp.add_argument("--nprocs", type=int, required=True, help="number of processes")
     lp.add_argument("--cpu-devices", type=int, default=0,
                     help="CPU devices per process (default: jax's)")
+    lp.add_argument("--verbose", action="store_true",
+                    help="after a failure, also print the other processes' errors (their "
+                         "transport errors; without it they go to a log file it names)")
     lp.add_argument("cmd", nargs=argparse.REMAINDER,
                     help="-- then the command, which calls shardplan.initialize_distributed()")
     tp = sub.add_parser("train", help="train as a YAML config says (configs/train/*.yaml)")
@@ -427,7 +463,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from shardplan.runtime.distributed import launch
 
             cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-            return launch(cmd, args.nprocs, cpu_devices=args.cpu_devices)
+            return launch(cmd, args.nprocs, cpu_devices=args.cpu_devices,
+                          verbose=args.verbose)
         if args.command == "train":
             return train_main(args.config, args.overrides)
         if args.command == "show":

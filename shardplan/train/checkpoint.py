@@ -19,7 +19,11 @@ Each step directory holds these items:
   (:class:`CheckpointError` naming the first differing leaves instead of an orbax traceback);
   a PRNG key array (``key<fry>``, which orbax cannot write) is stored as its key data
   (``jax.random.key_data``) and wrapped again, with its implementation, on restore;
-- ``meta``: the caller's JSON (data position, fingerprints, plan hash, config).
+- ``meta``: the caller's JSON (data position, fingerprints, plan hash, config);
+- ``checksums.json``: every file's size and SHA-256, written by process 0 once the step is
+  committed (:mod:`shardplan.train._integrity`); :meth:`Checkpointer.restore` verifies them
+  first, so damaged files are named rather than restored (a step without one is restored as
+  unverified).
 
 Restoring reads the arrays straight into the target's shardings (``jax.ShapeDtypeStruct``s with a
 ``sharding``), so a checkpoint written under one plan loads into another plan's layout, sub-meshes
@@ -51,6 +55,8 @@ from orbax.checkpoint import checkpoint_managers
 
 from shardplan.errors import CheckpointError, ConfigError, format_error
 from shardplan.trace.dtypes import dtype_name, is_prng_key
+from shardplan.train._integrity import Verdict, write_manifest
+from shardplan.train._integrity import verify as verify_files
 from shardplan.train._owned import (
     OwnedHandler,
     OwnedRestore,
@@ -92,11 +98,13 @@ class LeafInfo:
 @dataclass(frozen=True)
 class Restored:
     """What :meth:`Checkpointer.restore` read: the step, the state (target's structure and
-    shardings) and the caller's ``meta``."""
+    shardings), the caller's ``meta``, and whether the step's files were verified against
+    their checksums (False: the step has none recorded, or ``verify=False``)."""
 
     step: int
     state: Any
     meta: dict[str, Any]
+    verified: bool = False
 
 
 def _registry() -> Any:
@@ -339,6 +347,7 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(
             self.directory, options=options, handler_registry=_registry()
         )
+        self._unsealed: list[int] = []  # asynchronous saves whose checksums are not written
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -428,15 +437,63 @@ class Checkpointer:
             items[_STATE] = ocp.args.PyTreeSave(_nest(shared))
         if owned:
             items[_OWNED] = OwnedSave(owned)
-        return bool(self._manager.save(step, args=ocp.args.Composite(**items), force=True))
+        saved = bool(self._manager.save(step, args=ocp.args.Composite(**items), force=True))
+        if saved:
+            self._unsealed.append(step)
+            if not self.asynchronous:
+                self._seal()
+        return saved
+
+    def _seal(self) -> None:
+        """Writes the checksums of the committed steps that have none yet (process 0)."""
+        steps, self._unsealed = self._unsealed, []
+        if jax.process_index() != 0:
+            return
+        on_disk = set(self.all_steps())
+        for step in steps:
+            if step in on_disk:  # (a step the keep policy already dropped has nothing to seal)
+                write_manifest(self.step_dir(step))
 
     def wait(self) -> None:
-        """Blocks until an asynchronous save is final (no-op when synchronous)."""
+        """Blocks until an asynchronous save is final, and its checksums are written (no-op
+        when synchronous)."""
         self._manager.wait_until_finished()
+        self._seal()
 
     def close(self) -> None:
-        """Waits for saves in flight and releases orbax's resources."""
+        """Waits for saves in flight (and writes their checksums), and releases orbax's
+        resources."""
+        self._manager.wait_until_finished()
+        self._seal()
         self._manager.close()
+
+    def verify(self, step: int, /) -> Verdict:
+        """Compares ``step``'s files with the checksums recorded when it was saved (sizes, then
+        SHA-256): ``.ok``, ``.recorded`` (False: none recorded), ``.problem`` and ``.file``."""
+        self.wait()
+        return verify_files(self.step_dir(self._resolve(step)))
+
+    def intact_before(self, step: int, /) -> int | None:
+        """The newest step before ``step`` whose files match their checksums (or that has
+        none recorded), or None."""
+        for earlier in reversed([s for s in self.all_steps() if s < step]):
+            if verify_files(self.step_dir(earlier)).ok:
+                return earlier
+        return None
+
+    def _damaged(self, step: int, verdict: Verdict) -> CheckpointError:
+        intact = self.intact_before(step)
+        if intact is not None:
+            remedy = (f"step {intact} is intact ({self.step_dir(intact)}): restore it with "
+                      f"step={intact}, or move {self.step_dir(step)} away so that resuming "
+                      "picks it")
+        else:
+            remedy = (f"no earlier step is intact: restore the files from a copy, or delete "
+                      f"{self.directory} and start fresh")
+        return CheckpointError(format_error(
+            f"The checkpoint of step {step} is damaged: a file differs from what was written "
+            "when it was saved.",
+            where=str(verdict.file), value=verdict.problem, remedy=remedy))
 
     def _resolve(self, step: int | None) -> int:
         steps = self.all_steps()
@@ -518,29 +575,38 @@ class Checkpointer:
         self.wait()
         return self._read_json(self._resolve(step))[2]
 
-    def restore(self, step: int | None = None, /, *, target: Any) -> Restored:
+    def restore(self, step: int | None = None, /, *, target: Any,
+                verify: bool = True) -> Restored:
         """Reads step ``step`` (the latest if None) into ``target``'s structure and shardings.
 
-        The leaves are checked first: the checkpoint must have exactly the target's key paths,
-        shapes and dtypes. A damaged step is an error, not a silent fall-back to an older one
-        (that would quietly redo work and hide a disk problem); the error names the intact
-        earlier step to use instead.
+        The step's files are verified against their checksums first (``verify``), then the
+        leaves are checked: the checkpoint must have exactly the target's key paths, shapes
+        and dtypes. A damaged step is an error, not a silent fall-back to an older one (that
+        would quietly redo work and hide a disk problem); the error names the file and the
+        newest intact earlier step to use instead.
 
         Args:
           step: the step to read; None reads the latest.
           target: a pytree of ``jax.ShapeDtypeStruct``s with shardings (see
             :func:`abstract_target`) or of ``jax.Array``s (their shardings are used); it may
             place leaves on different meshes than the saving run did.
+          verify: compare the step's files with their checksums first (False: the caller
+            has, with :meth:`verify`).
 
         Returns:
           :class:`Restored` with the state as ``jax.Array``s on the target's shardings.
 
         Raises:
           CheckpointError: no checkpoint, another model's checkpoint (naming the differing key
-            paths, shapes and dtypes), a target leaf without sharding, or unreadable files.
+            paths, shapes and dtypes), a target leaf without sharding, unreadable files, or
+            files that differ from their checksums (naming the file and the newest intact
+            step).
         """
         self.wait()
         step = self._resolve(step)
+        verdict = self.verify(step) if verify else None
+        if verdict is not None and not verdict.ok:
+            raise self._damaged(step, verdict)
         leaves, treedef = _flatten(target)
         abstract = []
         for parts, leaf in leaves:
@@ -589,7 +655,8 @@ class Checkpointer:
             raise self._corrupt(step, err) from err
         values = [jax.random.wrap_key_data(v, dtype=t.dtype) if is_prng_key(t.dtype) else v
                   for v, (_, t) in zip(values, abstract, strict=True)]
-        return Restored(step, jax.tree.unflatten(treedef, values), meta)
+        return Restored(step, jax.tree.unflatten(treedef, values), meta,
+                        verified=verdict is not None and verdict.recorded)
 
     def _read_arrays(
         self,

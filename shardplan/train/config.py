@@ -378,12 +378,16 @@ class OutputConfig:
       checkpoint_every: save a checkpoint every this many steps; None: only at the end.
       keep_checkpoints: how many of the newest checkpoints to keep.
       resume: continue from the newest checkpoint in ``dir`` if there is one.
+      resume_from_intact: where the newest checkpoint's files differ from the checksums
+        recorded when it was saved, resume from the newest intact one, moving the damaged
+        steps to ``dir/damaged-checkpoints`` (otherwise such a run is refused, naming the file).
     """
 
     dir: str = "runs/run"
     checkpoint_every: int | None = 100
     keep_checkpoints: int = 3
     resume: bool = True
+    resume_from_intact: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, "output")

@@ -19,10 +19,14 @@ resumed continues exactly as an uninterrupted run would.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,17 +40,24 @@ from jax.extend.core import Var
 
 import models
 from shardplan.data import Dataset, abstract_batch, load_data
-from shardplan.errors import CheckpointError, InfeasibleError, RuntimeFailure, format_error
+from shardplan.errors import (
+    CheckpointError,
+    ConfigError,
+    InfeasibleError,
+    RuntimeFailure,
+    format_error,
+)
 from shardplan.plan import Plan, load_plan
 from shardplan.planner.single import make_plan
 from shardplan.runtime.spmd import apply_plan, state_shardings
 from shardplan.runtime.verify import check_plan
 from shardplan.trace.dtypes import itemsize
 from shardplan.train._hosts import everywhere, from_main, is_main
+from shardplan.train._lock import RunLock
 from shardplan.train.checkpoint import Checkpointer, abstract_target
 from shardplan.train.config import RunConfig
 
-__all__ = ["RunResult", "train"]
+__all__ = ["RunResult", "RunStopped", "train"]
 
 
 @dataclass(frozen=True)
@@ -241,89 +252,299 @@ def _write_plan(run_dir: Path, plan: Plan) -> None:
     (run_dir / "report.txt").write_text(report, encoding="utf-8")
 
 
+class RunStopped(Exception):
+    """A run ended by SIGINT (Ctrl-C) or SIGTERM: the message says which step's checkpoint is
+    intact; ``exit_code`` is the shell's for the signal (130, 143)."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class _Stop(BaseException):
+    """Raised in the main thread by :class:`_Signals`'s handler (a ``BaseException``, as
+    ``KeyboardInterrupt`` is, so no ``except Exception`` swallows it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _Signals:
+    """SIGINT and SIGTERM raise :class:`_Stop` while the run is in this context, except inside
+    :meth:`deferred` (a checkpoint being written, files being closed), where they are held
+    and raised at its end. Outside the main thread (where Python delivers no signals) it
+    does nothing."""
+
+    def __init__(self) -> None:
+        self._old: dict[int, Any] = {}
+        self._deferring = 0
+        self._pending: int | None = None
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        if self._deferring:
+            self._pending = signum
+        else:
+            raise _Stop(signum)
+
+    def __enter__(self) -> _Signals:
+        if threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.signal(s, self._handle)
+                         for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, handler in self._old.items():
+            signal.signal(s, handler)
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        self._deferring += 1
+        try:
+            yield
+        finally:
+            self._deferring -= 1
+            pending, self._pending = self._pending, None
+            if pending is not None and not self._deferring:
+                raise _Stop(pending)
+
+
+def _saved_steps(directory: Path) -> list[int]:
+    """The committed checkpoint steps in ``directory`` (orbax names them by the step)."""
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+def _stopped(stop: _Stop, run_dir: Path, step: int | None, total: int) -> RunStopped:
+    """The one line a signalled run ends with, and its exit status (128 + the signal)."""
+    where = ("before training began" if step is None
+             else f"during step {step + 1} of {total}")
+    kept = _saved_steps(run_dir / "checkpoints")
+    if kept:
+        folder = run_dir / "checkpoints" / str(kept[-1])
+        said = (f"the checkpoint of step {kept[-1]} is intact ({folder}): run the same command "
+                "to resume from it")
+    else:
+        said = "no checkpoint is saved: the same command starts the run over"
+    return RunStopped(f"stopped by {signal.Signals(stop.signum).name} {where}; {said}",
+                      128 + stop.signum)
+
+
+def _move_aside(run_dir: Path, checkpoints: Path, steps: Sequence[int]) -> Path:
+    """Moves the damaged ``steps`` out of ``checkpoints`` into ``<run_dir>/damaged-checkpoints``
+    (kept for inspection; resuming never looks there)."""
+    aside = run_dir / "damaged-checkpoints"
+    aside.mkdir(exist_ok=True)
+    for step in steps:
+        dest = aside / str(step)
+        n = 1
+        while dest.exists():
+            dest, n = aside / f"{step}.{n}", n + 1
+        os.replace(checkpoints / str(step), dest)
+    return aside
+
+
+@dataclass
+class _Resume:
+    """Where a run resumes: the step, its restored state, and what to say and do first."""
+
+    step: int
+    state: Any
+    message: str
+    damaged: tuple[int, ...] = ()
+
+
+def _resume(config: RunConfig, checkpoints: Checkpointer, dataset: Dataset, target: Any
+            ) -> _Resume | None:
+    """The checkpoint the run resumes from, verified and restored (None: a fresh start).
+    Reads only: nothing in the run directory changes here."""
+    latest = checkpoints.latest_step() if config.output.resume else None
+    if latest is None:
+        return None
+    verdict = checkpoints.verify(latest)
+    step = latest
+    damaged: tuple[int, ...] = ()
+    if not verdict.ok:
+        intact = checkpoints.intact_before(latest)
+        if intact is None or not config.output.resume_from_intact:
+            raise CheckpointError(format_error(
+                f"The latest checkpoint (step {latest}) is damaged: a file differs from what was "
+                "written when it was saved, so resuming from it would train on corrupt values.",
+                where=str(verdict.file), value=verdict.problem,
+                remedy=(f"resume from step {intact}, the newest intact one, with "
+                        "--output.resume_from_intact=true (the damaged steps are moved to "
+                        f"{Path(config.output.dir) / 'damaged-checkpoints'}), or restore the "
+                        "files from a copy" if intact is not None else
+                        "no earlier step is intact: restore the files from a copy, or start "
+                        "fresh in another output.dir")))
+        step, damaged = intact, tuple(s for s in checkpoints.all_steps() if s > intact)
+    saved = checkpoints.read_meta(step)
+    if saved.get("data_fingerprint") != dataset.fingerprint:
+        raise CheckpointError(format_error(
+            "The checkpoint was written for other training data (the data fingerprint "
+            "differs), so resuming would not see the batches the run would have seen.",
+            where=str(checkpoints.step_dir(step)),
+            value={"checkpoint": saved.get("data_fingerprint"), "now": dataset.fingerprint},
+            remedy="use the data config the run started with, or another output.dir"))
+    restored = checkpoints.restore(step, target=target, verify=False)
+    recorded = checkpoints.verify(step).recorded if damaged else verdict.recorded
+    message = (f"resumed from step {step} ({checkpoints.step_dir(step)}"
+               + ("; its checksums match)" if recorded else "; no checksums recorded: not "
+                  "verified)"))
+    if damaged:
+        message += (f"; steps {list(damaged)} are damaged ({verdict.problem}) and are moved to "
+                    f"{Path(config.output.dir) / 'damaged-checkpoints'}")
+    return _Resume(restored.step, restored.state, message, damaged)
+
+
 def train(
-    config: RunConfig, /, *, progress: bool = True, print_fn: Callable[[str], None] = print
+    config: RunConfig, /, *, progress: bool = True, print_fn: Callable[[str], None] = print,
+    lock: RunLock | None = None,
 ) -> RunResult:
     """Runs the training ``config`` describes (module docstring).
+
+    Process 0 holds an exclusive lock on ``output.dir`` for the whole run
+    (:mod:`shardplan.train._lock`), and nothing in the directory is written until every check
+    that can refuse the run has passed (the plan file's check, the checkpoint's checksums,
+    data and leaves).
 
     Args:
       config: the run's configuration.
       progress: show a rich progress bar (off in tests and when output is not a terminal).
       print_fn: where the run's messages go.
+      lock: the lock on ``output.dir`` when the caller has taken it already (``shardplan
+        train`` does, before it loads the model code, to refuse a second run at once); it
+        stays the caller's to release. None: process 0 takes and releases it here.
 
     Returns:
       A :class:`RunResult`.
 
     Raises:
+      ConfigError: another run holds ``output.dir``, or it is a file, lies under one or is not
+        writable.
       RuntimeFailure: the loss became NaN or infinite (names the step; the last checkpoint,
         written before it, is kept).
-      CheckpointError: the run directory holds checkpoints of another model or data.
+      CheckpointError: the run directory holds checkpoints of another model or data, or its
+        latest checkpoint is damaged (naming the file and the newest intact step).
       PlanMismatchError: ``plan.file`` was made for another step, batch or cluster.
+      RunStopped: SIGINT or SIGTERM (in the main thread) stopped the run; the message names
+        the intact checkpoint.
     """
     run_dir = Path(config.output.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     main = is_main()
     if not main:  # under several processes, process 0 writes the files and prints
         print_fn = _quiet
-    else:
-        (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
-    model_config = config.model.build()
-    dataset = load_data(config.data, vocab_size=model_config.vocab_size)
-    cluster = config.cluster.build()
-    optimizer = config.optimizer_transform()
-    graphdef, state = models.init_train_state(
-        model_config, seed=config.train.seed, optimizer=optimizer
-    )
-    step_fn = models.make_train_step(graphdef)
-    abstract_state = jax.eval_shape(lambda: state)
-    # Solved (or loaded and checked) once, by process 0, so every process runs the same plan.
-    made = (_plan(config, step_fn, abstract_state, abstract_batch(config.data), cluster)
-            if main else None)
-    plan = Plan.from_json(from_main(made.to_json().encode() if made else None).decode()) \
-        if jax.process_count() > 1 else made
-    assert plan is not None
-    if main:
-        _write_plan(run_dir, plan)
-    summary = plan.summary().splitlines()
-    cut = next((i for i, line in enumerate(summary) if "shardings" in line.lower()), None)
-    print_fn("\n".join(summary[:cut]).rstrip() + f"\n  (the whole plan: {run_dir}/report.txt)")
-    run = apply_plan(step_fn, plan, measure_steps=config.train.measure_steps)
+    if lock is not None and (not lock.held or lock.run_dir.resolve() != run_dir.resolve()):
+        raise ConfigError(format_error(
+            "The lock given is not held on the run's directory.", where="train(lock=)",
+            value=str(lock.run_dir), remedy=f"lock output.dir ({run_dir}), or pass lock=None"))
+    owned = RunLock(run_dir).acquire() if main and lock is None else None
+    try:
+        with _Signals() as signals:
+            return _train(config, run_dir, main, progress, print_fn, signals)
+    finally:
+        if owned is not None:
+            owned.release()
 
-    checkpoints = Checkpointer(
-        run_dir / "checkpoints",
-        every_steps=config.output.checkpoint_every,
-        keep=config.output.keep_checkpoints,
-    )
+
+def _train(config: RunConfig, run_dir: Path, main: bool, progress: bool,
+           print_fn: Callable[[str], None], signals: _Signals) -> RunResult:
+    """:func:`train` once the run directory is locked."""
+    at = _At()  # the step being trained, for the message of a signalled stop
+    try:
+        model_config = config.model.build()
+        dataset = load_data(config.data, vocab_size=model_config.vocab_size)
+        cluster = config.cluster.build()
+        optimizer = config.optimizer_transform()
+        graphdef, state = models.init_train_state(
+            model_config, seed=config.train.seed, optimizer=optimizer
+        )
+        step_fn = models.make_train_step(graphdef)
+        abstract_state = jax.eval_shape(lambda: state)
+        # Solved (or loaded and checked) once, by process 0, so every process runs the same plan.
+        made = (_plan(config, step_fn, abstract_state, abstract_batch(config.data), cluster)
+                if main else None)
+        plan = Plan.from_json(from_main(made.to_json().encode() if made else None).decode()) \
+            if jax.process_count() > 1 else made
+        assert plan is not None
+        run = apply_plan(step_fn, plan, measure_steps=config.train.measure_steps)
+
+        def open_checkpoints() -> Checkpointer:
+            return Checkpointer(run_dir / "checkpoints",
+                                every_steps=config.output.checkpoint_every,
+                                keep=config.output.keep_checkpoints)
+
+        checkpoints = open_checkpoints()
+        target = abstract_target(abstract_state, state_shardings(plan, abstract_state))
+        try:
+            resumed = _resume(config, checkpoints, dataset, target)
+        except BaseException:
+            checkpoints.close()
+            raise
+        first = 0
+        if resumed is not None:
+            state, first = resumed.state, resumed.step
+            if first >= config.train.steps:  # a finished run: nothing to train or write
+                checkpoints.close()
+                print_fn(resumed.message)
+                print_fn(f"the run is complete (step {first} of train.steps="
+                         f"{config.train.steps}); raise train.steps to continue it, or use "
+                         "another output.dir")
+                return RunResult(run_dir, first, first, (), {}, "", run.plan, state)
+        # Every check has passed: from here on the run writes its directory.
+        with signals.deferred():
+            if resumed is not None and resumed.damaged:
+                checkpoints.close()
+                if main:
+                    _move_aside(run_dir, run_dir / "checkpoints", resumed.damaged)
+                if jax.process_count() > 1:
+                    from_main(b"")  # (every process waits for the move)
+                checkpoints = open_checkpoints()
+            if main:
+                (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
+                _write_plan(run_dir, plan)
+        summary = plan.summary().splitlines()
+        cut = next((i for i, line in enumerate(summary) if "shardings" in line.lower()), None)
+        print_fn("\n".join(summary[:cut]).rstrip()
+                 + f"\n  (the whole plan: {run_dir}/report.txt)")
+        if resumed is not None:
+            print_fn(resumed.message)
+        return _loop(config, _Run(run_dir, main, progress, print_fn, signals, at), run,
+                     checkpoints, dataset, graphdef, state, first, model_config)
+    except _Stop as stop:
+        raise _stopped(stop, run_dir, at.step, config.train.steps) from None
+
+
+@dataclass
+class _At:
+    """The step a run is training (None before the first)."""
+
+    step: int | None = None
+
+
+@dataclass(frozen=True)
+class _Run:
+    """How a run reports and where it writes (what :func:`_loop` shares with :func:`train`)."""
+
+    run_dir: Path
+    main: bool
+    progress: bool
+    print_fn: Callable[[str], None]
+    signals: _Signals
+    at: _At
+
+
+def _loop(config: RunConfig, ctx: _Run, run: Any, checkpoints: Checkpointer,
+          dataset: Dataset, graphdef: nnx.GraphDef, state: Any, first: int,
+          model_config: Any) -> RunResult:
+    """The training steps from ``first``, with evaluation, metrics, checkpoints and the
+    sample (the module docstring)."""
+    run_dir, main, print_fn = ctx.run_dir, ctx.main, ctx.print_fn
     meta = {
         "data_fingerprint": dataset.fingerprint,
-        "model": model_config.name
-        if hasattr(model_config, "name")
-        else type(model_config).__name__,
+        "model": getattr(model_config, "name", type(model_config).__name__),
     }
-    first = 0
-    latest = checkpoints.latest_step() if config.output.resume else None
-    if latest is not None:
-        saved = checkpoints.read_meta(latest)
-        if saved.get("data_fingerprint") != dataset.fingerprint:
-            raise CheckpointError(
-                format_error(
-                    "The checkpoint was written for other training data (the data fingerprint "
-                    "differs), so resuming would not see the batches the run would have seen.",
-                    where=str(checkpoints.step_dir(latest)),
-                    value={"checkpoint": saved.get("data_fingerprint"), "now": dataset.fingerprint},
-                    remedy="use the data config the run started with, or another output.dir",
-                )
-            )
-        target = abstract_target(abstract_state, state_shardings(plan, abstract_state))
-        restored = checkpoints.restore(latest, target=target)
-        state, first = restored.state, restored.step
-        print_fn(f"resumed from step {first} ({checkpoints.step_dir(first)})")
-        if first >= config.train.steps:  # a finished run: nothing to train, evaluate or sample
-            checkpoints.close()
-            print_fn(f"the run is complete (step {first} of train.steps={config.train.steps}); "
-                     "raise train.steps to continue it, or use another output.dir")
-            return RunResult(run_dir, first, first, (), {}, "", run.plan, state)
-
     forward = _forward(graphdef)
     evaluator = run.evaluator(_eval_metrics(forward))
     tokens_per_step = config.data.batch_size * config.data.seq_len
@@ -342,12 +563,13 @@ def train(
             val_losses[step] = _evaluate(evaluator, state, dataset, config.data.val_batches)
             log({"step": step, "val_loss": val_losses[step]})
 
-    progress_bar = _Progress(config.train.steps, first, enabled=progress and main)
+    progress_bar = _Progress(config.train.steps, first, enabled=ctx.progress and main)
     measured_written = False
     try:
         evaluate(first)
         start = time.perf_counter()
         for step in range(first, config.train.steps):
+            ctx.at.step = step
             state, metrics = run(state, dataset.train_batch(step))
             loss = float(everywhere(metrics["loss"]))  # held by the last stage's process
             if not math.isfinite(loss):
@@ -376,13 +598,15 @@ def train(
             if config.train.eval_every and done % config.train.eval_every == 0:
                 evaluate(done)
             stopping = done == config.train.steps or done == config.train.stop_at
-            if checkpoints.should_save(done, final=stopping):
-                checkpoints.save(done, state, meta={**meta, "step": done})
-            if main and run.plan.measured and not measured_written:  # after the timed steps
-                _write_plan(run_dir, run.plan)
-                measured_written = True
+            with ctx.signals.deferred():  # a checkpoint and the plan file are written whole
+                if checkpoints.should_save(done, final=stopping):
+                    checkpoints.save(done, state, meta={**meta, "step": done})
+                if main and run.plan.measured and not measured_written:  # after timed steps
+                    _write_plan(run_dir, run.plan)
+                    measured_written = True
             if done == config.train.stop_at:
                 break
+        ctx.at.step = None if not losses else first + len(losses)
         last = first + len(losses)
         if last == config.train.steps and last not in val_losses:
             evaluate(last)
@@ -393,12 +617,14 @@ def train(
             sample = _sample(sampler, sampler_state, config.train.sample_prompt,
                              config.train.sample_tokens, config.data.seq_len, config.train.seed)
     finally:
-        progress_bar.close()
-        checkpoints.close()
-        if metrics_file is not None:
-            metrics_file.close()
+        with ctx.signals.deferred():
+            progress_bar.close()
+            checkpoints.close()
+            if metrics_file is not None:
+                metrics_file.close()
     if main:
-        _write_plan(run_dir, run.plan)
+        with ctx.signals.deferred():
+            _write_plan(run_dir, run.plan)
     if sample:
         print_fn(f"sample: {config.train.sample_prompt!r} -> {sample!r}")
     return RunResult(run_dir, first, last, tuple(losses), val_losses, sample, run.plan, state,
