@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -472,6 +473,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ShardplanError as e:
         print(f"shardplan {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside a run's own handling (train_main has its own)
+        print(f"shardplan {args.command}: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
     return 1
 
 

@@ -304,7 +304,8 @@ class Checkpointer:
       ConfigError: ``every_steps`` or ``keep`` is not a positive integer.
 
     Example:
-      >>> ckpt = Checkpointer(path, every_steps=100, keep=3)  # doctest: +SKIP
+      >>> import tempfile
+      >>> ckpt = Checkpointer(tempfile.mkdtemp(), every_steps=100, keep=3)
       >>> ckpt.should_save(200), ckpt.should_save(250), ckpt.should_save(250, final=True)
       (True, False, True)
     """

@@ -19,14 +19,10 @@ resumed continues exactly as an uninterrupted run would.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
-import signal
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +37,6 @@ from jax.extend.core import Var
 import models
 from shardplan.data import Dataset, abstract_batch, load_data
 from shardplan.errors import (
-    CheckpointError,
     ConfigError,
     InfeasibleError,
     RuntimeFailure,
@@ -54,6 +49,8 @@ from shardplan.runtime.verify import check_plan
 from shardplan.trace.dtypes import itemsize
 from shardplan.train._hosts import everywhere, from_main, is_main
 from shardplan.train._lock import RunLock
+from shardplan.train._resume import move_aside, resume
+from shardplan.train._signals import RunStopped, Signals, Stop, stopped
 from shardplan.train.checkpoint import Checkpointer, abstract_target
 from shardplan.train.config import RunConfig
 
@@ -252,152 +249,6 @@ def _write_plan(run_dir: Path, plan: Plan) -> None:
     (run_dir / "report.txt").write_text(report, encoding="utf-8")
 
 
-class RunStopped(Exception):
-    """A run ended by SIGINT (Ctrl-C) or SIGTERM: the message says which step's checkpoint is
-    intact; ``exit_code`` is the shell's for the signal (130, 143)."""
-
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-class _Stop(BaseException):
-    """Raised in the main thread by :class:`_Signals`'s handler (a ``BaseException``, as
-    ``KeyboardInterrupt`` is, so no ``except Exception`` swallows it)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-class _Signals:
-    """SIGINT and SIGTERM raise :class:`_Stop` while the run is in this context, except inside
-    :meth:`deferred` (a checkpoint being written, files being closed), where they are held
-    and raised at its end. Outside the main thread (where Python delivers no signals) it
-    does nothing."""
-
-    def __init__(self) -> None:
-        self._old: dict[int, Any] = {}
-        self._deferring = 0
-        self._pending: int | None = None
-
-    def _handle(self, signum: int, _frame: Any) -> None:
-        if self._deferring:
-            self._pending = signum
-        else:
-            raise _Stop(signum)
-
-    def __enter__(self) -> _Signals:
-        if threading.current_thread() is threading.main_thread():
-            self._old = {s: signal.signal(s, self._handle)
-                         for s in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for s, handler in self._old.items():
-            signal.signal(s, handler)
-
-    @contextlib.contextmanager
-    def deferred(self) -> Iterator[None]:
-        self._deferring += 1
-        try:
-            yield
-        finally:
-            self._deferring -= 1
-            pending, self._pending = self._pending, None
-            if pending is not None and not self._deferring:
-                raise _Stop(pending)
-
-
-def _saved_steps(directory: Path) -> list[int]:
-    """The committed checkpoint steps in ``directory`` (orbax names them by the step)."""
-    if not directory.is_dir():
-        return []
-    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit() and p.is_dir())
-
-
-def _stopped(stop: _Stop, run_dir: Path, step: int | None, total: int) -> RunStopped:
-    """The one line a signalled run ends with, and its exit status (128 + the signal)."""
-    where = ("before training began" if step is None
-             else f"during step {step + 1} of {total}")
-    kept = _saved_steps(run_dir / "checkpoints")
-    if kept:
-        folder = run_dir / "checkpoints" / str(kept[-1])
-        said = (f"the checkpoint of step {kept[-1]} is intact ({folder}): run the same command "
-                "to resume from it")
-    else:
-        said = "no checkpoint is saved: the same command starts the run over"
-    return RunStopped(f"stopped by {signal.Signals(stop.signum).name} {where}; {said}",
-                      128 + stop.signum)
-
-
-def _move_aside(run_dir: Path, checkpoints: Path, steps: Sequence[int]) -> Path:
-    """Moves the damaged ``steps`` out of ``checkpoints`` into ``<run_dir>/damaged-checkpoints``
-    (kept for inspection; resuming never looks there)."""
-    aside = run_dir / "damaged-checkpoints"
-    aside.mkdir(exist_ok=True)
-    for step in steps:
-        dest = aside / str(step)
-        n = 1
-        while dest.exists():
-            dest, n = aside / f"{step}.{n}", n + 1
-        os.replace(checkpoints / str(step), dest)
-    return aside
-
-
-@dataclass
-class _Resume:
-    """Where a run resumes: the step, its restored state, and what to say and do first."""
-
-    step: int
-    state: Any
-    message: str
-    damaged: tuple[int, ...] = ()
-
-
-def _resume(config: RunConfig, checkpoints: Checkpointer, dataset: Dataset, target: Any
-            ) -> _Resume | None:
-    """The checkpoint the run resumes from, verified and restored (None: a fresh start).
-    Reads only: nothing in the run directory changes here."""
-    latest = checkpoints.latest_step() if config.output.resume else None
-    if latest is None:
-        return None
-    verdict = checkpoints.verify(latest)
-    step = latest
-    damaged: tuple[int, ...] = ()
-    if not verdict.ok:
-        intact = checkpoints.intact_before(latest)
-        if intact is None or not config.output.resume_from_intact:
-            raise CheckpointError(format_error(
-                f"The latest checkpoint (step {latest}) is damaged: a file differs from what was "
-                "written when it was saved, so resuming from it would train on corrupt values.",
-                where=str(verdict.file), value=verdict.problem,
-                remedy=(f"resume from step {intact}, the newest intact one, with "
-                        "--output.resume_from_intact=true (the damaged steps are moved to "
-                        f"{Path(config.output.dir) / 'damaged-checkpoints'}), or restore the "
-                        "files from a copy" if intact is not None else
-                        "no earlier step is intact: restore the files from a copy, or start "
-                        "fresh in another output.dir")))
-        step, damaged = intact, tuple(s for s in checkpoints.all_steps() if s > intact)
-    saved = checkpoints.read_meta(step)
-    if saved.get("data_fingerprint") != dataset.fingerprint:
-        raise CheckpointError(format_error(
-            "The checkpoint was written for other training data (the data fingerprint "
-            "differs), so resuming would not see the batches the run would have seen.",
-            where=str(checkpoints.step_dir(step)),
-            value={"checkpoint": saved.get("data_fingerprint"), "now": dataset.fingerprint},
-            remedy="use the data config the run started with, or another output.dir"))
-    restored = checkpoints.restore(step, target=target, verify=False)
-    recorded = checkpoints.verify(step).recorded if damaged else verdict.recorded
-    message = (f"resumed from step {step} ({checkpoints.step_dir(step)}"
-               + ("; its checksums match)" if recorded else "; no checksums recorded: not "
-                  "verified)"))
-    if damaged:
-        message += (f"; steps {list(damaged)} are damaged ({verdict.problem}) and are moved to "
-                    f"{Path(config.output.dir) / 'damaged-checkpoints'}")
-    return _Resume(restored.step, restored.state, message, damaged)
-
-
 def train(
     config: RunConfig, /, *, progress: bool = True, print_fn: Callable[[str], None] = print,
     lock: RunLock | None = None,
@@ -441,7 +292,7 @@ def train(
             value=str(lock.run_dir), remedy=f"lock output.dir ({run_dir}), or pass lock=None"))
     owned = RunLock(run_dir).acquire() if main and lock is None else None
     try:
-        with _Signals() as signals:
+        with Signals() as signals:
             return _train(config, run_dir, main, progress, print_fn, signals)
     finally:
         if owned is not None:
@@ -449,7 +300,7 @@ def train(
 
 
 def _train(config: RunConfig, run_dir: Path, main: bool, progress: bool,
-           print_fn: Callable[[str], None], signals: _Signals) -> RunResult:
+           print_fn: Callable[[str], None], signals: Signals) -> RunResult:
     """:func:`train` once the run directory is locked."""
     at = _At()  # the step being trained, for the message of a signalled stop
     try:
@@ -478,7 +329,7 @@ def _train(config: RunConfig, run_dir: Path, main: bool, progress: bool,
         checkpoints = open_checkpoints()
         target = abstract_target(abstract_state, state_shardings(plan, abstract_state))
         try:
-            resumed = _resume(config, checkpoints, dataset, target)
+            resumed = resume(config, checkpoints, dataset, target)
         except BaseException:
             checkpoints.close()
             raise
@@ -497,7 +348,7 @@ def _train(config: RunConfig, run_dir: Path, main: bool, progress: bool,
             if resumed is not None and resumed.damaged:
                 checkpoints.close()
                 if main:
-                    _move_aside(run_dir, run_dir / "checkpoints", resumed.damaged)
+                    move_aside(run_dir, run_dir / "checkpoints", resumed.damaged)
                 if jax.process_count() > 1:
                     from_main(b"")  # (every process waits for the move)
                 checkpoints = open_checkpoints()
@@ -512,8 +363,8 @@ def _train(config: RunConfig, run_dir: Path, main: bool, progress: bool,
             print_fn(resumed.message)
         return _loop(config, _Run(run_dir, main, progress, print_fn, signals, at), run,
                      checkpoints, dataset, graphdef, state, first, model_config)
-    except _Stop as stop:
-        raise _stopped(stop, run_dir, at.step, config.train.steps) from None
+    except Stop as stop:
+        raise stopped(stop, run_dir, at.step, config.train.steps) from None
 
 
 @dataclass
@@ -531,7 +382,7 @@ class _Run:
     main: bool
     progress: bool
     print_fn: Callable[[str], None]
-    signals: _Signals
+    signals: Signals
     at: _At
 
 

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from shardplan.plan._values import parse_type
 from shardplan.plan.summary import key_pattern
 
 if TYPE_CHECKING:
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
 __all__ = ["DeviceView", "MemoryView", "TensorView", "Tile", "capacities", "devices",
            "dtype_bytes", "memory", "parse_type", "tensors", "tiles"]
 
-_TYPE = re.compile(r"^([A-Za-z0-9_]+(?:<[A-Za-z0-9_]+>)?)\[([0-9, ]*)\]$")
 _OPTIMIZER_PARTS = frozenset({"opt_state", "mu", "nu", "count", "momentum", "trace"})
 _DTYPE_BYTES = {"bool": 1, "int8": 1, "uint8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
                 "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2, "int32": 4,
@@ -41,21 +41,6 @@ _DTYPE_BYTES = {"bool": 1, "int8": 1, "uint8": 1, "float8_e4m3fn": 1, "float8_e5
                 "complex64": 8, "complex128": 16,
                 # PRNG keys: their key data (as shardplan.trace.dtypes.itemsize counts them)
                 "key<fry>": 8, "key<rbg>": 16, "key<urbg>": 16}
-
-
-def parse_type(text: str, /) -> tuple[str, tuple[int, ...]]:
-    """``"float32[64,128]"`` -> ``("float32", (64, 128))`` (a plan's ``state_types`` entry;
-    a PRNG key's reads ``"key<fry>[]"``).
-
-    Example:
-        >>> parse_type("bfloat16[]"), parse_type("float32[2, 3]"), parse_type("key<fry>[4]")
-        (('bfloat16', ()), ('float32', (2, 3)), ('key<fry>', (4,)))
-    """
-    m = _TYPE.match(text.strip())
-    if m is None:
-        raise ValueError(f"not a dtype[shape] string: {text!r}")
-    dims = m.group(2).replace(" ", "")
-    return m.group(1), tuple(int(d) for d in dims.split(",")) if dims else ()
 
 
 def dtype_bytes(dtype: str, /) -> int:
