@@ -156,6 +156,19 @@ def test_a_locked_run_directory_is_refused_naming_the_holder(tmp_path) -> None:
     assert not (tmp_path / "config.yaml").exists()
 
 
+def test_a_model_the_cluster_cannot_hold_is_refused_before_it_is_allocated(
+        tmp_path, monkeypatch) -> None:
+    def allocate(*args, **kwargs):
+        raise AssertionError("the state was allocated before the size check")
+
+    monkeypatch.setattr("models.init_train_state", allocate)
+    # ~1.6e11 parameters: 1.9 TB of state with Adam's moments, on two CPU devices.
+    big = ("--model.overrides={d_model: 65536, d_ff: 262144}",)
+    with pytest.raises(sp.InfeasibleError, match="exceeds the usable memory"):
+        _run(tmp_path, 2, *big)
+    assert not (tmp_path / "config.yaml").exists()
+
+
 def test_run_and_model_configs_that_are_not_utf8_are_config_errors(tmp_path) -> None:
     run = tmp_path / "run.yaml"
     run.write_bytes(Path(TINY).read_bytes().replace(b"# A run", b"# Caf\xe9 run"))

@@ -35,6 +35,7 @@ from flax import nnx
 from jax.extend.core import Var
 
 import models
+from shardplan.cluster import Cluster
 from shardplan.data import Dataset, abstract_batch, load_data
 from shardplan.errors import (
     ConfigError,
@@ -43,6 +44,8 @@ from shardplan.errors import (
     format_error,
 )
 from shardplan.plan import Plan, load_plan
+from shardplan.planner.memory import check_state_fits, state_bytes
+from shardplan.planner.multi import memory_budget
 from shardplan.planner.single import make_plan
 from shardplan.runtime.spmd import apply_plan, state_shardings
 from shardplan.runtime.verify import check_plan
@@ -95,6 +98,37 @@ def _plan(
         check_plan(plan, step, state, batch, cluster=cluster)
         return plan
     return make_plan(step, state, batch, cluster=cluster, config=config.plan.config)
+
+
+def _check_state_size(model_config: Any, optimizer: optax.GradientTransformation,
+                      cluster: Cluster, config: RunConfig) -> None:
+    """Refuses, before anything is allocated, a model and optimizer state that the cluster's
+    devices cannot hold together (the planner's first check, on the state's shapes alone), or
+    that the one device it is initialised on cannot hold (where the backend reports its
+    memory: the state is initialised whole, on ``jax.devices()[0]``, and placed by the plan
+    afterwards).
+
+    Raises:
+      InfeasibleError: naming the state's bytes and what holds less.
+    """
+    _, shapes = models.abstract_train_state(model_config, optimizer=optimizer)
+    plan_config = config.plan.config
+    check_state_fits(shapes, cluster, [memory_budget(plan_config, g.device.memory_bytes)
+                                       for g in cluster.groups])
+    device = jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    limit = (stats or {}).get("bytes_limit")
+    need = state_bytes(shapes)
+    if limit and need > limit:
+        raise InfeasibleError(format_error(
+            f"shardplan train initialises the model and optimizer state whole on one device "
+            f"before placing it by the plan, and the state ({need:,} bytes) exceeds that "
+            f"device's memory ({limit:,} bytes). Initialising it sharded is not implemented.",
+            where=f"model ({getattr(model_config, 'name', type(model_config).__name__)}), "
+                  f"on {device}",
+            value={"state_bytes": need, "device_bytes_limit": limit},
+            remedy="train a smaller model with shardplan train, or initialise the state "
+                   "sharded in your own step with sp.make_plan / sp.apply_plan"))
 
 
 def _forward(graphdef: nnx.GraphDef) -> Callable[[Any, jax.Array], jax.Array]:
@@ -308,6 +342,7 @@ def _train(config: RunConfig, run_dir: Path, main: bool, progress: bool,
         dataset = load_data(config.data, vocab_size=model_config.vocab_size)
         cluster = config.cluster.build()
         optimizer = config.optimizer_transform()
+        _check_state_size(model_config, optimizer, cluster, config)
         graphdef, state = models.init_train_state(
             model_config, seed=config.train.seed, optimizer=optimizer
         )
