@@ -105,7 +105,7 @@ def _check_state_size(model_config: Any, optimizer: optax.GradientTransformation
     """Refuses, before anything is allocated, a model and optimizer state that the cluster's
     devices cannot hold together (the planner's first check, on the state's shapes alone), or
     that the one device it is initialised on cannot hold (where the backend reports its
-    memory: the state is initialised whole, on ``jax.devices()[0]``, and placed by the plan
+    memory: the state is initialised whole, on ``jax.local_devices()[0]``, and placed by the plan
     afterwards).
 
     Raises:
@@ -115,8 +115,8 @@ def _check_state_size(model_config: Any, optimizer: optax.GradientTransformation
     plan_config = config.plan.config
     check_state_fits(shapes, cluster, [memory_budget(plan_config, g.device.memory_bytes)
                                        for g in cluster.groups])
-    device = jax.devices()[0]
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    device = jax.local_devices()[0]  # where this process's eager initialisation runs
+    stats = device.memory_stats()
     limit = (stats or {}).get("bytes_limit")
     need = state_bytes(shapes)
     if limit and need > limit:
