@@ -33,6 +33,7 @@ from shardplan.runtime.spmd import apply_plan as apply_plan
 from shardplan.runtime.verify import check_plan as check_plan
 from shardplan.trace import OpGraph as OpGraph
 from shardplan.trace import trace as trace
+from shardplan.viz import html as _viz_html  # noqa: F401  (registers the views Plan.to_html renders)
 from shardplan.viz.array import visualize as visualize
 
 __version__ = "0.1.0"

@@ -255,6 +255,7 @@ print("source", list(run.sources.values())[0], "loss", float(loss))
 """
 
 
+@pytest.mark.slow
 def test_a_second_process_reuses_the_plan_on_disk_without_planning(cluster, counted,
                                                                     tmp_path) -> None:
     import os

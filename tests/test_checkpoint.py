@@ -294,6 +294,7 @@ _KILLED_SAVE = """
         "2.orbax-checkpoint-tmp",  # everything written, just before the rename
     ],
 )
+@pytest.mark.slow
 def test_a_save_killed_by_sigkill_leaves_the_previous_step(tmp_path: Path, stall_at: str) -> None:
     directory, marker = tmp_path / "ckpt", tmp_path / "stalled"
     env = dict(
@@ -321,6 +322,7 @@ def test_a_save_killed_by_sigkill_leaves_the_previous_step(tmp_path: Path, stall
     assert sorted(p.name for p in directory.iterdir() if p.is_dir()) == ["1", "2"]
 
 
+@pytest.mark.slow
 def test_two_processes_save_stage_leaves_and_reshard(tmp_path: Path) -> None:
     """2 processes x 4 CPU devices (``shardplan launch``): a pipeline layout's leaves, each held
     by one process (a placeholder on the other), saved and restored onto a mesh over both

@@ -382,6 +382,7 @@ def test_group_links_override_between_groups() -> None:
     assert Cluster.from_dict(c.to_dict()) == c
 
 
+@pytest.mark.slow
 def test_content_hash_is_stable_across_processes() -> None:
     path = REPO / "configs" / "clusters" / "a100x8_v100x8.yaml"
     code = (

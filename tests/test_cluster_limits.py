@@ -81,6 +81,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
 def test_huge_device_counts_are_refused_within_a_second_naming_the_key_and_the_limit(
     tmp_path: Path,

@@ -34,6 +34,7 @@ def _env() -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
 def test_two_processes_equal_the_unsharded_step(tmp_path: Path) -> None:
     done = subprocess.run(_launch_command(str(tmp_path), "3"), env=_env(), timeout=300,
                           capture_output=True, text=True)
@@ -55,6 +56,7 @@ def test_two_processes_equal_the_unsharded_step(tmp_path: Path) -> None:
                                        rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_a_killed_process_stops_the_other_naming_it() -> None:
     proc = subprocess.Popen(_launch_command("unused", "0"), env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

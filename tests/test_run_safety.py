@@ -237,6 +237,7 @@ def test_plan_checks_name_arguments_of_the_wrong_type(mixed_plan) -> None:
         sp.check_plan(plan, step, state, x, cluster="local")
 
 
+@pytest.mark.slow
 def test_the_demo_runs_again_from_its_own_plan_file(tmp_path) -> None:
     steps = ("--train.eval_every=2", "--data.val_batches=1", "--train.sample_tokens=0",
              "--train.measure_steps=0", "--train.steps=2", "--output.checkpoint_every=2")

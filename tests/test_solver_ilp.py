@@ -593,6 +593,7 @@ def test_memory_cut_coefficients_are_checked() -> None:
 # --------------------------------------------------------------------------- no jax
 
 
+@pytest.mark.slow
 def test_solver_package_imports_nothing_from_jax() -> None:
     # The top-level facade (shardplan/__init__.py) re-exports the tracer, which imports jax; so
     # the parent package is stubbed and only shardplan.solver (and what it imports) runs.

@@ -63,6 +63,7 @@ _KILLED = """
 """
 
 
+@pytest.mark.slow
 def test_a_run_killed_while_saving_resumes_exactly_as_if_never_stopped(uninterrupted,
                                                                        tmp_path) -> None:
     # Checkpoints at steps 2, 4, 6: the run is killed (SIGKILL) in the middle of writing
@@ -96,6 +97,7 @@ def _plan_file(plan, path: Path, cluster, **changes) -> str:
     return f"--plan.file={path}"
 
 
+@pytest.mark.slow
 def test_a_run_stopped_and_resumed_on_another_plan_continues_within_1e4(uninterrupted,
                                                                         tmp_path) -> None:
     # Steps 1-3 data-parallel over 8 devices; steps 4-6 on a 2-stage GPipe pipeline over
@@ -167,6 +169,7 @@ def test_another_models_checkpoints_are_refused_naming_the_leaf(uninterrupted) -
         _run(uninterrupted.run_dir, "--model.overrides={d_model: 32}")
 
 
+@pytest.mark.slow
 def test_two_processes_run_the_demo_config_as_the_unsharded_step(tmp_path) -> None:
     # `shardplan launch --nprocs 2 -- shardplan train configs/train/demo.yaml --train.steps=5`:
     # the demo's 5-stage plan over 2 processes x 4 CPU devices (the embedding's stage on the
@@ -210,6 +213,7 @@ def test_two_processes_run_the_demo_config_as_the_unsharded_step(tmp_path) -> No
                                    rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_evaluation_runs_through_a_plan_of_four_quarter_stages(tmp_path) -> None:
     # gpt-tiny with 4 blocks cut into 4 stages of one block each (the first with the
     # embedding, the last with the head), 2 microbatches: every evaluation runs the plan's

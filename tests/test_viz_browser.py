@@ -28,6 +28,8 @@ from shardplan.plan.summary import format_spec
 from shardplan.viz import data
 from shardplan.viz.html import SECTIONS, write_html
 
+pytestmark = pytest.mark.slow  # drives a headless Chromium
+
 CHROMIUM = Path("/usr/bin/chromium")
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]

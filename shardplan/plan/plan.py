@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from shardplan.plan._values import (
@@ -554,15 +554,26 @@ class Plan:
             >>> _example().to_html().startswith("<!DOCTYPE html>")
             True
         """
-        from shardplan.viz import html  # viz comes after plan in the pipeline: import late
-
-        return html.plan_html(self)
+        return _rendered(self, "report")
 
     def _repr_html_(self) -> str:
         """The HTML report in an ``<iframe srcdoc>``, for notebooks (Jupyter calls this)."""
-        from shardplan.viz import html
+        return _rendered(self, "notebook")
 
-        return html.notebook_html(self)
+
+HTML_VIEWS: dict[str, Callable[[Plan], str]] = {}
+"""The plan's HTML views by name (``"report"``, ``"notebook"``), registered by
+:mod:`shardplan.viz.html` when it is imported: viz sits above plan, so plan does not import
+it; ``import shardplan`` imports both."""
+
+
+def _rendered(plan: Plan, view: str) -> str:
+    try:
+        render = HTML_VIEWS[view]
+    except KeyError:
+        raise RuntimeError(f"No HTML view {view!r} is registered: import shardplan (or "
+                           "shardplan.viz.html) before rendering a plan as HTML.") from None
+    return render(plan)
 
 
 def _example() -> Plan:

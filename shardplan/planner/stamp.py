@@ -55,7 +55,8 @@ def cluster_info(cluster: Cluster, /) -> dict[str, Any]:
     and how much memory each has.
 
     Example:
-      >>> cluster_info(Cluster.local(types={"a100-80g": 1}))["device_types"]
+      >>> one = Cluster.local(types={"a100-80g": 1}, devices=jax.devices()[:1])
+      >>> cluster_info(one)["device_types"]
       {'a100-80g': {'count': 1, 'memory_bytes': 80000000000}}
     """
     types: dict[str, dict[str, int]] = {}
@@ -74,8 +75,8 @@ def memory_budgets(cluster: Cluster, config: Any, /) -> dict[str, int]:
 
     Example:
       >>> from shardplan.planner.config import PlanConfig
-      >>> memory_budgets(Cluster.local(types={"a100-80g": 1}),
-      ...                PlanConfig(memory_budget_bytes=3.6e6))
+      >>> one = Cluster.local(types={"a100-80g": 1}, devices=jax.devices()[:1])
+      >>> memory_budgets(one, PlanConfig(memory_budget_bytes=3.6e6))
       {'a100-80g': 3600000}
     """
     from shardplan.planner.config import PlanConfig

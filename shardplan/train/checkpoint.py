@@ -30,14 +30,14 @@ Restoring reads the arrays straight into the target's shardings (``jax.ShapeDtyp
 included (8-way data parallel -> 2 pipeline stages).
 
 Example:
-    >>> import jax, jax.numpy as jnp
+    >>> import tempfile, jax, jax.numpy as jnp
     >>> state = {"w": jnp.ones((4, 2)), "step": jnp.zeros((), jnp.int32)}
-    >>> with Checkpointer(tmp_dir, every_steps=10, keep=2) as ckpt:  # doctest: +SKIP
-    ...     ckpt.save(10, state, meta={"data": {"position": 640}})
+    >>> with Checkpointer(tempfile.mkdtemp(), every_steps=10, keep=2) as ckpt:
+    ...     saved = ckpt.save(10, state, meta={"data": {"position": 640}})
     ...     target = abstract_target(state, jax.tree.map(lambda x: x.sharding, state))
     ...     restored = ckpt.restore(target=target)
-    >>> restored.step, restored.meta["data"]["position"]  # doctest: +SKIP
-    (10, 640)
+    >>> restored.step, restored.meta["data"]["position"], restored.verified
+    (10, 640, True)
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ from shardplan.plan.explain import (
     runner_label,
     starred_values,
 )
+from shardplan.plan.plan import HTML_VIEWS
 from shardplan.plan.report import report_table
 from shardplan.plan.summary import ACCUMULATION_WORDS, compress_layers, plain_json
 from shardplan.viz import data
@@ -333,3 +334,6 @@ def notebook_html(plan: Plan, /) -> str:
     return (f'<iframe srcdoc="{html.escape(plan_html(plan), quote=True)}" '
             f'style="width:100%;height:{_IFRAME_HEIGHT_PX}px;border:0" '
             f'title="shardplan plan {plan.content_hash[:12]}"></iframe>')
+
+
+HTML_VIEWS.update(report=plan_html, notebook=notebook_html)  # Plan.to_html, Plan._repr_html_

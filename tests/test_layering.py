@@ -1,0 +1,113 @@
+"""Imports between shardplan's packages run one way: no import circle between two packages,
+imports made inside functions included.
+
+The graph is read from the source with ``ast`` (every ``import`` and ``from ... import``
+anywhere in a module, relative ones resolved), its nodes are the subpackages of ``shardplan/``
+and its top-level modules, and its circles are the strongly connected components of more than
+one node. One circle remains, between ``planner/`` (``make_plan`` compiles its plan to check
+the memory model) and ``runtime/`` (``auto`` plans, ``check_plan`` fingerprints the step as the
+planner does): it goes when that wiring moves into a module above both (issue 25). The test
+fails when a circle appears, and when the known one goes without this list being emptied.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "shardplan"
+
+KNOWN_CIRCLES = [{"planner", "runtime"}]
+
+
+def _node(module: str) -> str | None:
+    """The graph node of a ``shardplan...`` module: its subpackage, or the top-level module."""
+    parts = module.split(".")
+    if parts[0] != "shardplan" or len(parts) < 2:
+        return None
+    return parts[1]
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> Iterator[str]:
+    """Every module ``path`` imports, at any depth of its code."""
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[:len(anchor) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            yield base
+            yield from (f"{base}.{alias.name}" for alias in node.names)
+
+
+def package_graph() -> dict[str, set[str]]:
+    """Node -> the nodes it imports (itself excluded)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        source = _node(_module_name(path))
+        if source is None:
+            continue  # shardplan/__init__.py: the facade imports every package
+        for name in _imports(path):
+            target = _node(name)
+            if target is not None and target != source and (
+                    (ROOT / target).is_dir() or (ROOT / f"{target}.py").is_file()):
+                graph.setdefault(source, set()).add(target)
+        graph.setdefault(source, set())
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one node (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_graph_reader_finds_imports_inside_functions_and_relative_ones() -> None:
+    graph = package_graph()
+    assert "viz" in graph["cli"]  # cli/main.py imports viz.terminal inside show_main
+    assert "solver" in graph["planner"] and "trace" in graph["cost"]
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [{"a", "b", "c"}]
+
+
+def test_no_import_circle_between_packages_but_the_known_one() -> None:
+    found = circles(package_graph())
+    assert sorted(map(sorted, found)) == sorted(map(sorted, KNOWN_CIRCLES)), (
+        "import circles between shardplan's packages: "
+        + "; ".join(" <-> ".join(sorted(c)) for c in found))
