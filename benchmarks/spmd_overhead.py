@@ -54,7 +54,7 @@ from jax.sharding import PartitionSpec as P
 
 import models
 import shardplan as sp
-from shardplan.runtime.auto import signature
+from shardplan.api.auto import signature
 from shardplan.xla import read_compiled
 
 RESULTS = Path(__file__).resolve().parent / "results" / "spmd_overhead.json"

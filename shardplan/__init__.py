@@ -5,6 +5,9 @@ The public API is re-exported here; see ``docs/architecture.md`` for the pipelin
 """
 
 from shardplan import kernels as kernels
+from shardplan.api.auto import auto as auto
+from shardplan.api.planning import check_plan as check_plan
+from shardplan.api.planning import make_plan as make_plan
 from shardplan.cluster import Cluster as Cluster
 from shardplan.cluster import DeviceGroup as DeviceGroup
 from shardplan.cluster import DeviceSpec as DeviceSpec
@@ -26,11 +29,8 @@ from shardplan.plan import load_plan as load_plan
 from shardplan.plan.diff import PlanDiff as PlanDiff
 from shardplan.plan.diff import diff as diff
 from shardplan.planner.config import PlanConfig as PlanConfig
-from shardplan.planner.single import make_plan as make_plan
-from shardplan.runtime.auto import auto as auto
 from shardplan.runtime.distributed import initialize_distributed as initialize_distributed
 from shardplan.runtime.spmd import apply_plan as apply_plan
-from shardplan.runtime.verify import check_plan as check_plan
 from shardplan.trace import OpGraph as OpGraph
 from shardplan.trace import trace as trace
 from shardplan.viz import html as _viz_html  # noqa: F401  (registers the views Plan.to_html renders)

@@ -10,7 +10,7 @@ import pytest
 from test_planner_intraop import mlp_step
 
 import shardplan as sp
-from shardplan.runtime import auto as auto_module
+from shardplan.api import auto as auto_module
 
 WIDTH, BATCH, LAYERS = 32, 16, 2
 
@@ -234,7 +234,7 @@ sys.path.insert(0, {tests!r})
 import jax
 jax.config.update("jax_num_cpu_devices", 8)
 import shardplan as sp
-from shardplan.runtime import auto as auto_module
+from shardplan.api import auto as auto_module
 from test_auto import WIDTH, BATCH, LAYERS, _real_state
 from test_planner_intraop import mlp_step
 

@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from test_pipeline_runtime import _pipeline
 
 import shardplan as sp
-from shardplan.runtime import auto as auto_module
+from shardplan.api import auto as auto_module
 from shardplan.trace.dtypes import KEY_IMPLS, dtype_name, is_prng_key, itemsize
 from shardplan.train.checkpoint import Checkpointer, abstract_target
 from shardplan.viz.data import dtype_bytes, parse_type, tensors

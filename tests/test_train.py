@@ -89,7 +89,7 @@ def test_a_run_killed_while_saving_resumes_exactly_as_if_never_stopped(uninterru
 def _plan_file(plan, path: Path, cluster, **changes) -> str:
     """``plan`` changed as given, for ``cluster``, saved to ``path`` (made by hand: no memory
     budget recorded, its memory figures being placeholders)."""
-    from shardplan.planner.stamp import cluster_info
+    from shardplan.plan.stamp import cluster_info
 
     solver = {k: v for k, v in plan.solver.items() if k != "memory_budget_bytes"}
     dataclasses.replace(plan, cluster_hash=cluster.content_hash(), solver=solver,

@@ -1,4 +1,4 @@
-"""``PlanConfig``: the options of :func:`~shardplan.planner.single.make_plan`, typed and
+"""``PlanConfig``: the options of :func:`~shardplan.make_plan`, typed and
 checked, from keyword arguments or a mapping (a YAML file's section)."""
 
 from __future__ import annotations

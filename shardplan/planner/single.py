@@ -12,7 +12,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from shardplan._gc import gc_paused
-from shardplan._traceback import api_boundary
 from shardplan.cluster import Cluster
 from shardplan.cluster.mesh import LogicalMesh
 from shardplan.cost.memory import MemoryEstimate, estimate_memory
@@ -48,7 +47,8 @@ from shardplan.trace import trace
 from shardplan.trace.api import check_leaves
 from shardplan.trace.graph import OpGraph
 
-__all__ = ["FINGERPRINT_SAMPLES", "PlanConfig", "graph_fingerprint", "make_plan", "step_fingerprint"]
+__all__ = ["FINGERPRINT_SAMPLES", "CompiledPeak", "PlanConfig", "check_api_arguments",
+           "graph_fingerprint", "plan_step", "step_fingerprint"]
 
 
 def graph_fingerprint(graph: OpGraph) -> str:
@@ -118,52 +118,26 @@ def check_api_arguments(caller: str, /, *, cluster: object, config: object = Non
                    "or None"))
 
 
-@api_boundary  # outermost: no shardplan frame above JAX's traceback filter
+CompiledPeak = Callable[[Callable[..., Any], Plan, Any, Any], "int | None"]
+"""``(train_step, plan, state, batch) -> bytes``: the largest per-device allocation XLA
+compiles a plan's programs to (None where the backend reports none). The runtime provides it
+(:func:`shardplan.runtime.verify.compiled_peak`); the public ``make_plan``
+(:mod:`shardplan.api.planning`) passes it in, so the planner never imports the runtime."""
+
+
 @stamped
 @gc_paused()  # planning allocates millions of long-lived objects (shardplan._gc)
-def make_plan(train_step: Callable[..., Any], state: Any, batch: Any, /, *, cluster: Cluster,
+def plan_step(train_step: Callable[..., Any], state: Any, batch: Any, /, *, cluster: Cluster,
               config: PlanConfig | None = None,
-              annotations: Mapping[str, Sequence[Any]] | None = None) -> Plan:
-    """Plans ``train_step(state, batch)`` on ``cluster`` without running it.
+              annotations: Mapping[str, Sequence[Any]] | None = None,
+              compiled_peak: CompiledPeak | None = None) -> Plan:
+    """Plans ``train_step(state, batch)`` on ``cluster`` as :func:`shardplan.make_plan`
+    (:mod:`shardplan.api.planning`, which documents it) does, with the compiled-memory check
+    left to ``compiled_peak``.
 
-    On a cluster of one device type (and ``PlanConfig.pipeline`` not ``True``): one mesh over
-    all its devices, every op's sharding chosen by the intra-op ILP. With several device types
-    (or ``pipeline=True``): a multi-stage plan from the stage planner
-    (:func:`shardplan.planner.multi.make_pipeline_plan`): data-parallel replicas of pipeline
-    stages, each stage on a sub-mesh of one device type, with microbatches, schedule and remat.
-
-    Args:
-      train_step: ``(state, batch) -> (state, metrics)``.
-      state: the state pytree (arrays or ``ShapeDtypeStruct``s).
-      batch: the batch pytree (every leaf's leading axis is the samples).
-      cluster: the cluster.
-      config: planning options.
-      annotations: with ``PlanConfig.respect_annotations``, the user's shardings
-        ``{state key path: spec}`` (a spec: per dimension None, a mesh axis name or a tuple
-        of them, like a ``PartitionSpec``); None: read off ``state``
-        (:func:`shardplan.planner.annotations.read_annotations` with
-        ``PlanConfig.axis_rules``), which needs ``state`` to hold the annotated variables.
-
-    Returns:
-      The :class:`~shardplan.plan.Plan`.
-
-    Raises:
-      InfeasibleError: no plan fits the devices' memory (the message gives the per-device
-        lower bound and, per device type, the fewest devices that would hold the model; on
-        one mesh, the batch sizes data parallelism can split where the batch is the cause).
-      PipelineError: ``pipeline=False`` on a cluster with several device types.
-      TraceError: a leaf of ``state`` or ``batch`` is not an array (named by key path,
-        ``state/...``), or (``PlanConfig.strict``) the step uses a primitive without a rule.
-
-    Warns:
-      ShardplanWarning: a solver stopped at its time or work limit (the plan is the best
-        found; the message gives the gap), or primitives without a rule planned replicated
-        (``strict=False``).
-
-    Errors raised here hide shardplan's frames from the traceback
-    (``JAX_TRACEBACK_FILTERING=off`` shows them; :mod:`shardplan._traceback`).
-      ConfigError: an annotation does not fit its leaf or the devices (it names the key
-        path), or annotations on a multi-stage plan.
+    ``compiled_peak`` (None: no check) measures a one-mesh plan whose predicted peak comes
+    within :data:`VERIFY_FRACTION` of the budget, on clusters bound to local devices; a plan
+    over the budget as compiled makes the search lower the model's budget by the shortfall.
     """
     check_api_arguments("make_plan", cluster=cluster, config=config)
     config = config or PlanConfig()
@@ -239,10 +213,11 @@ def make_plan(train_step: Callable[..., Any], state: Any, batch: Any, /, *, clus
             peaks.append(predicted)
             cuts += memory_peaks(memory, model_budget, len(graph.ops))
             continue
-        if cluster.devices is None or predicted < VERIFY_FRACTION * budget:
+        if compiled_peak is None or cluster.devices is None or (
+                predicted < VERIFY_FRACTION * budget):
             _warn_time_limit(choice, config)
             return plan
-        compiled = _compiled_peak(train_step, plan, state, batch)
+        compiled = compiled_peak(train_step, plan, state, batch)
         if compiled is None or compiled <= budget:
             if compiled is not None:
                 plan = dataclasses.replace(plan, solver={**plan.solver,
@@ -346,15 +321,6 @@ VERIFY_FRACTION = 0.5
 memory checked, on clusters bound to local devices: the model is within a few per cent on
 the plans measured, but XLA's scheduler and partitioner can place buffers it does not model
 (before reshards were priced as XLA does them, mixed 2-D plans compiled 30-70 % above it)."""
-
-
-def _compiled_peak(train_step: Callable[..., Any], plan: Plan, state: Any,
-                   batch: Any) -> int | None:
-    """The largest per-device allocation XLA compiles the plan's programs to."""
-    from shardplan.runtime.verify import compiled_memory
-
-    reports = [r for r in compiled_memory(train_step, plan, state, batch) if r is not None]
-    return max((r.peak_bytes for r in reports), default=None)
 
 
 def _search(graph: OpGraph, cluster: Cluster, config: PlanConfig, budget: float,

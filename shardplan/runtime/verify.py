@@ -19,19 +19,17 @@ from typing import Any
 
 import jax
 
-from shardplan.cluster import Cluster
 from shardplan.cluster.catalog import load_device
 from shardplan.errors import ConfigError, InfeasibleError, ShardplanWarning, format_error
 from shardplan.plan import Plan
 from shardplan.plan.match import check_plan_matches
+from shardplan.plan.stamp import arg_types
 from shardplan.plan.summary import format_bytes
-from shardplan.planner.single import FINGERPRINT_SAMPLES, check_api_arguments, step_fingerprint
-from shardplan.planner.stamp import arg_types, cluster_info
 from shardplan.xla.report import MemoryReport, read_compiled
 
 __all__ = ["FIT_WARNING_RATIO", "MEASURE_STEPS", "StepTimer", "check_arguments", "check_fits",
-           "check_plan", "compiled_figures", "compiled_memory", "device_bytes", "device_capacity",
-           "memory_allowed"]
+           "compiled_figures", "compiled_memory", "compiled_peak", "device_bytes",
+           "device_capacity", "memory_allowed"]
 
 MEASURE_STEPS = 10
 """Steps timed after the first (which compiles) before ``plan.measured`` is recorded."""
@@ -54,44 +52,19 @@ def compiled_memory(train_step: Callable[..., Any], plan: Plan, state: Any,
     return tuple(out)
 
 
+def compiled_peak(train_step: Callable[..., Any], plan: Plan, state: Any,
+                  batch: Any) -> int | None:
+    """The largest per-device allocation XLA compiles ``plan``'s programs to (None where the
+    backend reports none): the measurement ``make_plan`` checks its memory model with
+    (:data:`shardplan.planner.single.CompiledPeak`)."""
+    reports = [r for r in compiled_memory(train_step, plan, state, batch) if r is not None]
+    return max((r.peak_bytes for r in reports), default=None)
+
+
 def check_arguments(plan: Plan, state: Any, batch: Any) -> None:
     """Raises :class:`~shardplan.errors.PlanMismatchError` naming the leaves whose shape or
     dtype differ from what the plan was made for (a plan of another model or batch size)."""
     check_plan_matches(plan, state_types=arg_types(state), batch_types=arg_types(batch))
-
-
-def check_plan(plan: Plan, train_step: Callable[..., Any], state: Any, batch: Any, /, *,
-               cluster: Cluster | None = None) -> None:
-    """Checks that ``plan`` was made for ``train_step`` on these arguments (and ``cluster``).
-
-    Traces the step (abstractly; ``state`` and ``batch`` may be ``ShapeDtypeStruct``s) as the
-    planner did (a multi-stage plan's at the batch size its layer tables were traced at,
-    ``plan.solver["fingerprint_samples"]``) and compares the argument types, the op graph's
-    fingerprint (:func:`~shardplan.planner.single.graph_fingerprint`) and layers, and the
-    cluster's hash with what the plan records.
-
-    Raises:
-      PlanMismatchError: naming every difference found: a state or batch leaf of another shape
-        or dtype, added or missing; a stage layer the step does not have, or a step layer no
-        stage runs; another program; a cluster with other devices.
-
-    Example:
-      >>> import jax, jax.numpy as jnp, shardplan as sp
-      >>> step = lambda w, x: (w - 0.1 * jnp.mean(x @ w) * w, jnp.mean(x @ w))
-      >>> cluster = sp.Cluster.local(devices=jax.devices()[:1])
-      >>> w, x = jnp.zeros((4, 4)), jnp.ones((2, 4))
-      >>> plan = sp.make_plan(step, w, x, cluster=cluster)
-      >>> sp.check_plan(plan, step, w, x, cluster=cluster)  # the same: nothing raised
-    """
-    check_api_arguments("check_plan", cluster=cluster, cluster_required=False)
-    samples: Any = plan.solver.get(FINGERPRINT_SAMPLES)
-    fingerprint, graph = step_fingerprint(train_step, state, batch,
-                                          samples=samples if isinstance(samples, int) else None)
-    check_plan_matches(
-        plan, state_types=arg_types(state), batch_types=arg_types(batch),
-        graph_fingerprint=fingerprint, layer_names=[layer.name for layer in graph.layers],
-        cluster_hash=cluster.content_hash() if cluster is not None else None,
-        cluster_info=cluster_info(cluster) if cluster is not None else None)
 
 
 def compiled_figures(programs: Sequence[tuple[int, str, jax.stages.Compiled]]) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from flax import nnx
 from jax.extend.core import Var
 
 import models
+from shardplan.api.planning import check_plan, make_plan
 from shardplan.cluster import Cluster
 from shardplan.data import Dataset, abstract_batch, load_data
 from shardplan.errors import (
@@ -46,9 +47,7 @@ from shardplan.errors import (
 from shardplan.plan import Plan, load_plan
 from shardplan.planner.memory import check_state_fits, state_bytes
 from shardplan.planner.multi import memory_budget
-from shardplan.planner.single import make_plan
 from shardplan.runtime.spmd import apply_plan, state_shardings
-from shardplan.runtime.verify import check_plan
 from shardplan.trace.dtypes import itemsize
 from shardplan.train._hosts import everywhere, from_main, is_main
 from shardplan.train._lock import RunLock
