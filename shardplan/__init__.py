@@ -5,6 +5,7 @@ The public API is re-exported here; see ``docs/architecture.md`` for the pipelin
 """
 
 from shardplan import kernels as kernels
+from shardplan._version import __version__ as __version__
 from shardplan.api.auto import auto as auto
 from shardplan.api.planning import check_plan as check_plan
 from shardplan.api.planning import make_plan as make_plan
@@ -35,8 +36,6 @@ from shardplan.trace import OpGraph as OpGraph
 from shardplan.trace import trace as trace
 from shardplan.viz import html as _viz_html  # noqa: F401  (registers the views Plan.to_html renders)
 from shardplan.viz.array import visualize as visualize
-
-__version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",

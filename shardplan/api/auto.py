@@ -29,6 +29,7 @@ from typing import Any, overload
 
 import jax
 
+from shardplan._version import __version__
 from shardplan.api.planning import make_plan
 from shardplan.cluster import Cluster
 from shardplan.errors import (
@@ -220,12 +221,10 @@ class AutoStep:
             return make_plan(self._fn, state, batch, cluster=self.cluster,
                              config=self.config, **extra), "planned"
         config = self.config or PlanConfig()
-        import shardplan
-
         fingerprint = graph_fingerprint(trace(self._fn, state, batch))
         key = hashlib.sha256("\n".join([
             fingerprint, self.cluster.content_hash(), config.content_hash(),
-            shardplan.__version__, repr(sorted((annotations or {}).items()))]).encode()
+            __version__, repr(sorted((annotations or {}).items()))]).encode()
         ).hexdigest()[:24]
         path = self.cache_dir / f"{getattr(self._fn, '__name__', 'step')}-{key}.json"
         if path.exists():
@@ -237,7 +236,7 @@ class AutoStep:
                 if (plan.graph_fingerprint, plan.cluster_hash, plan.config_hash,
                         plan.shardplan_version) == (planned, self.cluster.content_hash(),
                                                     config.content_hash(),
-                                                    shardplan.__version__):
+                                                    __version__):
                     return plan, "disk"
                 reason = "it was made for another step, cluster or configuration"
             except ShardplanError as exc:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from shardplan._gc import gc_paused
+from shardplan._version import __version__
 from shardplan.cluster import Cluster
 from shardplan.cluster.mesh import LogicalMesh
 from shardplan.cost.memory import MemoryEstimate, estimate_memory
@@ -438,6 +439,4 @@ def _build_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, choice: Me
 
 
 def _version() -> str:
-    import shardplan
-
-    return shardplan.__version__
+    return __version__
