@@ -48,7 +48,7 @@ from shardplan.planner.single import (
     graph_fingerprint,
     step_fingerprint,
 )
-from shardplan.runtime.spmd import PlannedStep, apply_plan
+from shardplan.runtime.spmd import Step, apply_plan
 from shardplan.trace import trace
 
 __all__ = ["AutoStep", "Signature", "auto", "default_cache_dir", "signature"]
@@ -159,7 +159,7 @@ class AutoStep:
         self.config = config
         self.cache_dir = cache_dir
         self.sources: dict[Signature, str] = {}
-        self._steps: dict[Signature, PlannedStep] = {}
+        self._steps: dict[Signature, Step] = {}
         self._lock = threading.Lock()  # two threads must not plan the same signature twice
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -194,7 +194,7 @@ class AutoStep:
             self._steps.clear()
             self.sources.clear()
 
-    def _planned(self, sig: Signature, state: Any) -> PlannedStep:
+    def _planned(self, sig: Signature, state: Any) -> Step:
         with self._lock:
             step = self._steps.get(sig)
             if step is None:
@@ -269,7 +269,7 @@ class AutoStep:
         return f"<sp.auto {name}: {len(self._steps)} plan(s) cached>"
 
 
-def _check_devices(step: PlannedStep, cluster: Cluster) -> None:
+def _check_devices(step: Step, cluster: Cluster) -> None:
     """Refuses a step whose meshes are not on the cluster's devices (never run elsewhere
     silently).
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +32,7 @@ from shardplan.runtime.verify import (
     device_bytes,
 )
 
-__all__ = ["REPLICA", "PlannedStep", "apply_plan", "identical_replicas", "leaf_shardings",
+__all__ = ["REPLICA", "PlannedStep", "Step", "apply_plan", "identical_replicas", "leaf_shardings",
            "runtime_meshes", "stage_mesh", "state_shardings"]
 
 
@@ -135,6 +135,24 @@ def _placed(tree: Any, shardings: Any, *, donated: bool = False) -> Any:
     return jax.device_put(tree, shardings)
 
 
+class Step(Protocol):
+    """What :func:`apply_plan` returns for every plan kind (:class:`PlannedStep` for one mesh,
+    :class:`~shardplan.runtime.pipeline.PipelinedStep` for stages or microbatches)."""
+
+    plan: Plan
+    """The plan, with XLA's figures (``compiled``) once run and the measured step time
+    (``measured``) after the timed steps."""
+
+    meshes: Any
+    """``{stage index: jax.sharding.Mesh}``: where each stage runs."""
+
+    def __call__(self, state: Any, batch: Any, /) -> Any:
+        """One step: ``(state, batch) -> (state, metrics)``, as the original step."""
+
+    def evaluator(self, fn: Callable[[Any, Any], Any], /) -> Callable[[Any, Any], Any]:
+        """``fn(state, batch) -> metrics`` (a forward pass) run on the plan's devices."""
+
+
 class PlannedStep:
     """A train step bound to a plan: call it like the original step."""
 
@@ -220,8 +238,9 @@ class PlannedStep:
 
 @api_boundary
 def apply_plan(train_step: Callable[..., Any], plan: Plan, /, *, verify: bool = True,
-               measure_steps: int = MEASURE_STEPS) -> PlannedStep:
-    """Binds ``train_step`` to ``plan``; the result has ``train_step``'s signature.
+               measure_steps: int = MEASURE_STEPS) -> Step:
+    """Binds ``train_step`` to ``plan``; the result has ``train_step``'s signature (a
+    :class:`Step`: :class:`PlannedStep` for a one-mesh plan, ``PipelinedStep`` otherwise).
 
     The state argument is donated, as in any training loop (``state = step(state, batch)``):
     the new state reuses its buffers, so a state already placed as the plan says cannot be
@@ -247,8 +266,7 @@ def apply_plan(train_step: Callable[..., Any], plan: Plan, /, *, verify: bool = 
     if len(plan.stages) > 1 or plan.microbatches > 1 or plan.layouts:
         from shardplan.runtime.pipeline import PipelinedStep
 
-        return PipelinedStep(train_step, plan, verify=verify,  # type: ignore[return-value]
-                             measure_steps=measure_steps)
+        return PipelinedStep(train_step, plan, verify=verify, measure_steps=measure_steps)
     return PlannedStep(train_step, plan, verify=verify, measure_steps=measure_steps)
 
 

@@ -37,16 +37,20 @@ MEASURE_STEPS = 10
 
 def compiled_memory(train_step: Callable[..., Any], plan: Plan, state: Any,
                     batch: Any) -> tuple[MemoryReport | None, ...]:
-    """XLA's memory figures for each program of ``plan`` (one per stage), per device (None
+    """XLA's memory figures for the program of the one-mesh ``plan``, per device (None
     where the backend reports none).
 
     Compiles on the local jax devices the plan names; ``state`` and ``batch`` may be
     ``ShapeDtypeStruct`` stand-ins (nothing runs).
+
+    Raises:
+      PipelineError: ``plan`` has several stages (a pipeline's programs are compiled, and
+        their memory recorded, as its first step runs).
     """
-    from shardplan.runtime.spmd import apply_plan
+    from shardplan.runtime.spmd import PlannedStep
 
     out = []
-    for compiled in apply_plan(train_step, plan, verify=False).compiled(state, batch):
+    for compiled in PlannedStep(train_step, plan, verify=False).compiled(state, batch):
         stats = compiled.memory_analysis()
         out.append(MemoryReport.from_stats(stats) if stats is not None else None)
     return tuple(out)
