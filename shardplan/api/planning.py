@@ -13,7 +13,7 @@ from shardplan._traceback import api_boundary
 from shardplan.cluster import Cluster
 from shardplan.plan import Plan
 from shardplan.plan.match import check_plan_matches
-from shardplan.plan.stamp import arg_types, cluster_info
+from shardplan.plan.stamp import cluster_info
 from shardplan.planner.config import PlanConfig
 from shardplan.planner.single import (
     FINGERPRINT_SAMPLES,
@@ -22,6 +22,7 @@ from shardplan.planner.single import (
     step_fingerprint,
 )
 from shardplan.runtime.verify import compiled_peak
+from shardplan.trace.args import arg_types
 
 __all__ = ["check_plan", "make_plan"]
 

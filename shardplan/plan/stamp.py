@@ -1,51 +1,16 @@
-"""What a plan records about the step and cluster it was made for, so that applying it to
-another one can say what differs (``Plan.state_types``, ``batch_types``, ``cluster_info``).
-The planner stamps them (:func:`shardplan.planner.stamp.stamped`); the runtime and
-``check_plan`` compare them."""
+"""The outline of the cluster a plan records (``Plan.cluster_info``), so that applying it to
+another cluster can say what differs; the argument types beside it (``state_types``,
+``batch_types``) come from :func:`shardplan.trace.args.arg_types`. The planner stamps both
+(:func:`shardplan.planner.stamp.stamped`); ``check_plan`` compares them."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
+if TYPE_CHECKING:
+    from shardplan.cluster import Cluster
 
-from shardplan.cluster import Cluster
-from shardplan.trace.dtypes import dtype_name
-
-__all__ = ["arg_types", "cluster_info", "type_text"]
-
-
-def type_text(shape: tuple[int, ...], dtype: Any) -> str:
-    """``"float32[8,16]"`` (``"int32[]"`` for a scalar, ``"key<fry>[]"`` for a PRNG key): how
-    plans write an argument leaf's type.
-
-    Example:
-      >>> type_text((8, 16), "float32")
-      'float32[8,16]'
-    """
-    return f"{dtype_name(dtype)}[{','.join(map(str, shape))}]"
-
-
-def arg_types(tree: Any, /) -> dict[str, str]:
-    """``{key path: "dtype[shape]"}`` of every leaf of ``tree`` (arrays, scalars or
-    ``jax.ShapeDtypeStruct``s), key paths as in :attr:`Plan.param_specs`.
-
-    Leaves that are not arrays are left out: the planner reports them itself.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> arg_types({"w": jnp.zeros((2, 3)), "b": jax.ShapeDtypeStruct((3,), jnp.int32)})
-      {'b': 'int32[3]', 'w': 'float32[2,3]'}
-    """
-    out = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        try:
-            aval = jax.typeof(leaf)
-        except TypeError:
-            continue
-        out[jax.tree_util.keystr(path, simple=True, separator="/")] = type_text(
-            tuple(aval.shape), aval.dtype)
-    return out
+__all__ = ["cluster_info"]
 
 
 def cluster_info(cluster: Cluster, /) -> dict[str, Any]:
@@ -53,6 +18,8 @@ def cluster_info(cluster: Cluster, /) -> dict[str, Any]:
     and how much memory each has.
 
     Example:
+      >>> import jax
+      >>> from shardplan.cluster import Cluster
       >>> one = Cluster.local(types={"a100-80g": 1}, devices=jax.devices()[:1])
       >>> cluster_info(one)["device_types"]
       {'a100-80g': {'count': 1, 'memory_bytes': 80000000000}}

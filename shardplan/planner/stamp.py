@@ -10,7 +10,8 @@ from typing import Any
 
 from shardplan.cluster import Cluster
 from shardplan.plan import Plan
-from shardplan.plan.stamp import arg_types, cluster_info
+from shardplan.plan.stamp import cluster_info
+from shardplan.trace.args import arg_types
 
 __all__ = ["memory_budgets", "stamped"]
 

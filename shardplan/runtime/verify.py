@@ -23,8 +23,8 @@ from shardplan.cluster.catalog import load_device
 from shardplan.errors import ConfigError, InfeasibleError, ShardplanWarning, format_error
 from shardplan.plan import Plan
 from shardplan.plan.match import check_plan_matches
-from shardplan.plan.stamp import arg_types
 from shardplan.plan.summary import format_bytes
+from shardplan.trace.args import arg_types
 from shardplan.xla.report import MemoryReport, read_compiled
 
 __all__ = ["FIT_WARNING_RATIO", "MEASURE_STEPS", "StepTimer", "check_arguments", "check_fits",
