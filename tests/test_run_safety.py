@@ -272,6 +272,12 @@ def _env() -> dict[str, str]:
     return {**os.environ, "JAX_NUM_CPU_DEVICES": "8", "PYTHONPATH": str(ROOT)}
 
 
+def _start(run_dir: Path, steps: int) -> subprocess.Popen:
+    """``shardplan train`` of the tiny config in a subprocess, its output piped."""
+    return subprocess.Popen(_cli(run_dir, steps), env=_env(), cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
 def _wait_for(path: Path, proc: subprocess.Popen, timeout_s: float = 240) -> None:
     deadline = time.monotonic() + timeout_s
     while not path.exists():
@@ -285,8 +291,7 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout_s: float = 240) -> Non
 @pytest.mark.slow
 def test_a_second_run_on_one_directory_is_refused_and_the_first_is_untouched(tmp_path) -> None:
     run_dir = tmp_path / "run"
-    first = subprocess.Popen(_cli(run_dir, 12), env=_env(), cwd=ROOT, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = _start(run_dir, 12)
     try:
         _wait_for(run_dir / LOCK_FILE, first)  # A holds the lock: it is planning
         deadline = time.monotonic() + 60
@@ -324,8 +329,7 @@ def test_a_second_run_on_one_directory_is_refused_and_the_first_is_untouched(tmp
 @pytest.mark.slow
 def test_a_run_killed_with_sigkill_leaves_no_lock_behind(tmp_path) -> None:
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(_cli(run_dir, 400), env=_env(), cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = _start(run_dir, 400)
     try:
         _wait_for(run_dir / "checkpoints" / "3", proc)
     finally:
@@ -341,8 +345,7 @@ def test_a_run_killed_with_sigkill_leaves_no_lock_behind(tmp_path) -> None:
 def test_a_signal_ends_the_run_with_one_line_naming_the_intact_checkpoint(
         tmp_path, signum) -> None:
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(_cli(run_dir, 400), env=_env(), cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = _start(run_dir, 400)
     try:
         _wait_for(run_dir / "checkpoints" / "3", proc)
         proc.send_signal(signum)
