@@ -6,7 +6,7 @@ and Llama, as Python loops and as ``nnx.scan`` stacks (4 blocks), planned on 4 A
 predicted peak, this script runs three steps of each plan and prints, per stage:
 
 * ``predicted``: the plan's per-device peak (the stage planner's ``state + mb x (in_flight x
-  activation + work)``, :func:`shardplan.solver.pipeline.stage_held`);
+  activation + work)``, :func:`shardplan.solver.stages.pipeline.stage_held`);
 * ``compiled``: the largest of the stage's programs as XLA compiled it (``memory_analysis``:
   arguments + outputs + temporaries - aliased);
 * ``held``: the most one device of the stage held while a program ran: the program's own figure

@@ -4,22 +4,22 @@ For each (cluster, model) case: the train step is traced abstractly (``ShapeDtyp
 the blocks as an ``nnx.scan``) at ``REFERENCE_BATCH`` sequences, the layer cost tables are built
 (:func:`shardplan.planner.layer_costs.layer_costs`: one intra-op solution per device group and
 sub-mesh size; cached under ``--cache``, keyed by the model and cluster files and the cost
-model's sources), and the :class:`~shardplan.solver.pipeline.PipelineProblem` for the case's
+model's sources), and the :class:`~shardplan.solver.stages.pipeline.PipelineProblem` for the case's
 global batch with ``1 - HEADROOM`` of each device's memory. Then, each timed:
 
-* ``shardplan``: :func:`~shardplan.solver.portfolio.plan_pipeline`, what ``make_plan`` runs:
+* ``shardplan``: :func:`~shardplan.solver.stages.portfolio.plan_pipeline`, what ``make_plan`` runs:
   the stage planner's search (exact for the closed form within its budget) seeded with the
   data-parallel and Megatron plans, the final pick checked in the simulator;
-* ``data_parallel``: :func:`~shardplan.solver.baselines.data_parallel_only`;
-* ``megatron``: :func:`~shardplan.solver.baselines.megatron_grid` on every device;
+* ``data_parallel``: :func:`~shardplan.solver.stages.baselines.data_parallel_only`;
+* ``megatron``: :func:`~shardplan.solver.stages.baselines.megatron_grid` on every device;
 * ``megatron_fastest``: the same grid on the fastest device type alone (heterogeneous only);
 * ``homogeneous``: the same planner on the fastest device type alone (heterogeneous only).
 
-Every plan is played out by :func:`~shardplan.solver.simulate.simulate`; the tables report the
+Every plan is played out by :func:`~shardplan.solver.stages.simulate.simulate`; the tables report the
 simulated throughput (samples/s), the closed form's, the speed-up of shardplan over each
 baseline (simulated), and on heterogeneous clusters the share of the ideal gain reached:
 ``(thr(shardplan) / thr(homogeneous) - 1) / (ideal - 1)`` with ``ideal`` the effective matmul
-FLOP/s of all types over the fastest type's (:func:`~shardplan.solver.baselines.ideal_gain`).
+FLOP/s of all types over the fastest type's (:func:`~shardplan.solver.stages.baselines.ideal_gain`).
 
 Each case runs in a child process with a time limit (``--case-timeout-s``): a case whose layer
 tables or search do not finish is reported as timed out, not dropped. A model that no plan
@@ -226,8 +226,8 @@ def _proposed_step_s(plan, ev) -> float:
 
 
 def _score(problem, plan, plan_s: float) -> dict[str, Any]:
-    from shardplan.solver.pipeline import evaluate_pipeline
-    from shardplan.solver.simulate import simulate
+    from shardplan.solver.stages.pipeline import evaluate_pipeline
+    from shardplan.solver.stages.simulate import simulate
 
     ev = evaluate_pipeline(problem, plan)
     t0 = time.perf_counter()
@@ -282,14 +282,14 @@ def run_case(cluster_name: str, model: str, batch: int, cache: Path, *,
     import shardplan as sp
     from shardplan.errors import InfeasibleError
     from shardplan.planner.multi import effective_matmul_flops_per_s, pipeline_problem
-    from shardplan.solver.baselines import (
+    from shardplan.solver.stages.baselines import (
         data_parallel_only,
         homogeneous_only,
         ideal_gain,
         megatron_grid,
     )
-    from shardplan.solver.portfolio import plan_pipeline
-    from shardplan.solver.stages import PipelineInfeasibleError
+    from shardplan.solver.stages.portfolio import plan_pipeline
+    from shardplan.solver.stages.search import PipelineInfeasibleError
 
     cluster = sp.Cluster.from_yaml(ROOT / "configs" / "clusters" / f"{cluster_name}.yaml")
     flops = [effective_matmul_flops_per_s(g.device, len(g.device_ids)) for g in cluster.groups]
@@ -327,7 +327,7 @@ def run_case(cluster_name: str, model: str, batch: int, cache: Path, *,
 
     def solve(p, key: str = "shardplan"):
         # What make_plan runs: the search seeded with the data-parallel and Megatron plans,
-        # the final pick checked in the simulator (shardplan/solver/portfolio.py).
+        # the final pick checked in the simulator (shardplan/solver/stages/portfolio.py).
         if time_limit_s is not None:
             p = dataclasses.replace(p, time_limit_s=time_limit_s)
         choice = plan_pipeline(p)
@@ -749,7 +749,7 @@ def main() -> int:
         if args.time_limit_s is None:
             args.time_limit_s = source.get("time_limit_s")
     else:
-        from shardplan.solver.pipeline import PipelineProblem
+        from shardplan.solver.stages.pipeline import PipelineProblem
 
         default_limit = PipelineProblem.time_limit_s
         cases = []

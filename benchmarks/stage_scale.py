@@ -33,7 +33,7 @@ Prints each case's solve time (median of ``--repeats``), the search statistics (
 plan is proven optimal; otherwise the proven lower bound and the gap to it) and the plan, and
 writes ``benchmarks/results/stage_scale.json``. The solver runs with a time limit of
 :data:`TIME_LIMIT_S`: at this scale the exact search does not finish, so the solve time is
-about that limit, the plan is the quick plan (``shardplan.solver._quick``) and
+about that limit, the plan is the quick plan (``shardplan.solver.stages.quick``) and
 ``stats.quick_s`` says how long finding it took.
 
 Usage: ``python benchmarks/stage_scale.py [--repeats 3] [--case NAME ...]``
@@ -52,14 +52,14 @@ from pathlib import Path
 
 import yaml
 
-from shardplan.solver.pipeline import (
+from shardplan.solver.stages.pipeline import (
     DeviceGroup,
     LayerKind,
     LayerOption,
     Link,
     PipelineProblem,
 )
-from shardplan.solver.stages import PipelineSolution, solve_pipeline
+from shardplan.solver.stages.search import PipelineSolution, solve_pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results" / "stage_scale.json"

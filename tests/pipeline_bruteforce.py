@@ -4,7 +4,7 @@
 the layers into contiguous stages (or, interleaved, every stage count whose chunks divide the
 layers), every (group, devices, remat) per stage, every multiset of such replicas that fits the
 groups and every split of the microbatches over them. :func:`best` scores each with
-:func:`~shardplan.solver.pipeline.evaluate_pipeline` and keeps the smallest objective.
+:func:`~shardplan.solver.stages.pipeline.evaluate_pipeline` and keeps the smallest objective.
 :func:`random_problem` draws small problems whose plan count stays in the thousands.
 """
 
@@ -14,7 +14,7 @@ import itertools
 import random
 from collections.abc import Iterator
 
-from shardplan.solver.pipeline import (
+from shardplan.solver.stages.pipeline import (
     DeviceGroup,
     LayerKind,
     LayerOption,

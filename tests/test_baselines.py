@@ -1,4 +1,4 @@
-"""Baseline plan families (``shardplan.solver.baselines``).
+"""Baseline plan families (``shardplan.solver.stages.baselines``).
 
 Layers: (a) on random small problems every baseline plan is structurally valid and feasible,
 and the stage planner's objective is no worse than any baseline's (the families are subsets of
@@ -22,7 +22,7 @@ from pipeline_bruteforce import count_plans, random_problem
 import shardplan as sp
 from shardplan.errors import InfeasibleError
 from shardplan.planner.multi import effective_matmul_flops_per_s
-from shardplan.solver.baselines import (
+from shardplan.solver.stages.baselines import (
     BOUND_SLACK,
     _dp_candidates,
     _even_split,
@@ -32,7 +32,7 @@ from shardplan.solver.baselines import (
     ideal_gain,
     megatron_grid,
 )
-from shardplan.solver.pipeline import (
+from shardplan.solver.stages.pipeline import (
     DeviceGroup,
     LayerKind,
     LayerOption,
@@ -44,7 +44,7 @@ from shardplan.solver.pipeline import (
     check_pipeline,
     evaluate_pipeline,
 )
-from shardplan.solver.stages import solve_pipeline
+from shardplan.solver.stages.search import solve_pipeline
 
 FREE = Link(1.0, 0.0)  # transfers of 0 bytes cost nothing on it
 CLUSTERS = Path(__file__).resolve().parent.parent / "configs" / "clusters"

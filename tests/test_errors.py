@@ -27,7 +27,7 @@ from shardplan.cost.rules import op_rule
 from shardplan.planner.multi import _warn_gap
 from shardplan.planner.single import _warn_time_limit
 from shardplan.solver import Solution
-from shardplan.solver.pipeline import (
+from shardplan.solver.stages.pipeline import (
     REMATS,
     DeviceGroup,
     LayerKind,
@@ -35,7 +35,7 @@ from shardplan.solver.pipeline import (
     Link,
     PipelineProblem,
 )
-from shardplan.solver.stages import solve_pipeline
+from shardplan.solver.stages.search import solve_pipeline
 
 MIXED = {"a100-80g": 4, "v100-32g": 4}
 

@@ -22,7 +22,7 @@ from shardplan.plan.explain import starred_values
 from shardplan.planner.alternatives import LocalCosts, alternative
 from shardplan.planner.multi import memory_budget
 from shardplan.planner.single import _search
-from shardplan.solver.evaluate import evaluate
+from shardplan.solver.intraop.evaluate import evaluate
 
 CONFIG = sp.PlanConfig(max_mesh_axes=3, relative_gap=0.0)
 SMALL = sp.PlanConfig(relative_gap=0.0)

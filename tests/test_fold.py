@@ -16,7 +16,7 @@ from shardplan.planner.intraop import build_intraop_problem
 from shardplan.planner.layout import intraop_layout, step_facts
 from shardplan.planner.mesh import candidate_meshes
 from shardplan.solver import evaluate, solve
-from shardplan.solver.reduce import SALTIPLIER
+from shardplan.solver.intraop.reduce import SALTIPLIER
 
 
 def _graph(name: str, layers: int, *, scan: bool = False, batch: int = 8) -> sp.OpGraph:

@@ -115,7 +115,7 @@ def test_the_analysis_with_the_rules_given_is_the_same(graph) -> None:
 
 def test_a_member_the_relaxation_does_not_settle_is_solved_as_best_mesh_does(
         graph, monkeypatch) -> None:
-    from shardplan.solver.family import ProblemFamily
+    from shardplan.solver.intraop.family import ProblemFamily
 
     monkeypatch.setattr(ProblemFamily, "solve", lambda self, *costs, **options: None)
     search = MeshSearch(graph, CLUSTER, tie_period=1, relative_gap=0.01)

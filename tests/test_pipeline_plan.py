@@ -22,7 +22,7 @@ from shardplan.planner.multi import (
     microbatch_candidates,
     pipeline_timeline,
 )
-from shardplan.solver.pipeline import (
+from shardplan.solver.stages.pipeline import (
     DeviceGroup,
     LayerKind,
     LayerOption,
@@ -33,7 +33,7 @@ from shardplan.solver.pipeline import (
     Schedule,
     StagePlacement,
 )
-from shardplan.solver.simulate import simulate
+from shardplan.solver.stages.simulate import simulate
 
 MIXED = {"a100-80g": 4, "v100-32g": 4}
 

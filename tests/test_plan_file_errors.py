@@ -84,8 +84,8 @@ def test_the_valid_plans_load_again(tmp_path: Path) -> None:
 
 def test_the_plans_values_are_the_planners() -> None:
     # shardplan.solver loads OR-Tools, so the plan package keeps its own copy of the names.
-    from shardplan.solver.pipeline import REMATS as SOLVER_REMATS
-    from shardplan.solver.pipeline import SCHEDULES
+    from shardplan.solver.stages.pipeline import REMATS as SOLVER_REMATS
+    from shardplan.solver.stages.pipeline import SCHEDULES
 
     assert REMATS == SOLVER_REMATS
     assert ("none", *SCHEDULES) == PLAN_SCHEDULES

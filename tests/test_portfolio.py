@@ -1,4 +1,4 @@
-"""The stage planner as make_plan runs it (``shardplan.solver.portfolio``): seeded with the
+"""The stage planner as make_plan runs it (``shardplan.solver.stages.portfolio``): seeded with the
 baselines, the final pick checked in the simulator."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 from pipeline_bruteforce import count_plans, random_problem
 
 from shardplan.errors import InfeasibleError
-from shardplan.solver.baselines import data_parallel_only, megatron_grid
-from shardplan.solver.pipeline import evaluate_pipeline
-from shardplan.solver.portfolio import compute_tasks, plan_pipeline
-from shardplan.solver.simulate import simulate
+from shardplan.solver.stages.baselines import data_parallel_only, megatron_grid
+from shardplan.solver.stages.pipeline import evaluate_pipeline
+from shardplan.solver.stages.portfolio import compute_tasks, plan_pipeline
+from shardplan.solver.stages.simulate import simulate
 
 
 def _value(problem, ev_or_sim, plan) -> float:
@@ -81,7 +81,7 @@ def test_the_simulator_overturns_an_interleaved_plan_on_unequal_chunks() -> None
     # the simulation takes 16.4 s; 1F1B on layers {0, 1}, {2, 3} takes 4.4 +
     # 4.4 + 4.4 = 13.2 s both ways. The search goes round again without interleaving and the
     # simulator picks the 1F1B plan.
-    from shardplan.solver.pipeline import (
+    from shardplan.solver.stages.pipeline import (
         DeviceGroup,
         LayerKind,
         LayerOption,

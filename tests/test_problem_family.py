@@ -1,4 +1,4 @@
-"""The relaxation of a family of problems (``shardplan.solver.family``): one structure, many
+"""The relaxation of a family of problems (``shardplan.solver.intraop.family``): one structure, many
 cost vectors, each member's optimum equal to ``ilp.solve``'s."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from shardplan.solver import Edge, Follower, Node, Problem, evaluate, solve
-from shardplan.solver.family import ProblemFamily
+from shardplan.solver.intraop.family import ProblemFamily
 
 
 def _family(problem: Problem, labels=None) -> ProblemFamily:

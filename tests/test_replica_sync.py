@@ -132,10 +132,15 @@ def _priced_exchange(step, state, batch, cluster, groups, counts, microbatch_siz
     """What the planner's model prices for the gradient exchange of the hand-made plan
     ``groups`` (per replica, its stages as (device type, device ids, layer names)): the
     layer tables of ``step`` on ``cluster``, the plan as the stage planner's value, and
-    :func:`~shardplan.solver.pipeline.exchange_bytes` of it, per (replica, stage position)."""
+    :func:`~shardplan.solver.stages.pipeline.exchange_bytes` of it, per (replica, stage position)."""
     from shardplan.planner.layer_costs import layer_costs
     from shardplan.planner.multi import microbatch_of, pipeline_problem
-    from shardplan.solver.pipeline import PipelinePlan, Replica, StagePlacement, exchange_bytes
+    from shardplan.solver.stages.pipeline import (
+        PipelinePlan,
+        Replica,
+        StagePlacement,
+        exchange_bytes,
+    )
 
     shapes = jax.eval_shape(lambda: state), jax.eval_shape(lambda: batch)
     graph = sp.trace(step, shapes[0], microbatch_of(shapes[1], 2))

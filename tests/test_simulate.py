@@ -1,5 +1,5 @@
-"""The pipeline event simulator (``shardplan.solver.simulate``) against the planner's closed form
-(``shardplan.solver.pipeline``).
+"""The pipeline event simulator (``shardplan.solver.stages.simulate``) against the planner's closed form
+(``shardplan.solver.stages.pipeline``).
 
 Three layers: textbook cases worked out by hand; exact agreement with ``evaluate_pipeline``
 where its formula is exact; and, on random plans, every difference the simulator's module
@@ -18,7 +18,7 @@ from collections import defaultdict
 import pytest
 
 from shardplan.errors import PipelineError
-from shardplan.solver.pipeline import (
+from shardplan.solver.stages.pipeline import (
     DeviceGroup,
     LayerKind,
     LayerOption,
@@ -32,7 +32,7 @@ from shardplan.solver.pipeline import (
     in_flight,
     stage_link,
 )
-from shardplan.solver.simulate import Event, device_order, simulate
+from shardplan.solver.stages.simulate import Event, device_order, simulate
 
 BYTE_PER_S = Link(1.0, 0.0)
 NO_REMAT = {"none": (0.0, 0.0), "selective": (0.0, 0.0), "full": (0.0, 0.0)}

@@ -35,7 +35,7 @@ from shardplan.solver import (
     evaluate,
     solve,
 )
-from shardplan.solver.ilp import XLA_MAX_COST, salt
+from shardplan.solver.intraop.ilp import XLA_MAX_COST, salt
 
 ROOT = Path(__file__).resolve().parents[1]
 INF = math.inf

@@ -1,4 +1,4 @@
-"""Rounding a fractional LP relaxation (``shardplan.solver.rounding``), alone and inside
+"""Rounding a fractional LP relaxation (``shardplan.solver.intraop.rounding``), alone and inside
 ``ilp.solve`` and ``ProblemFamily.solve``, checked against brute force."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from shardplan.solver import Alias, Edge, Follower, Node, Problem, evaluate, solve
-from shardplan.solver.family import ProblemFamily
-from shardplan.solver.rounding import assignment_cost, round_relaxation
+from shardplan.solver.intraop.family import ProblemFamily
+from shardplan.solver.intraop.rounding import assignment_cost, round_relaxation
 
 INF = math.inf
 # Anti-ferromagnetic: an edge costs 4 when both ends pick the same strategy, else 0. On an odd

@@ -1,4 +1,4 @@
-"""The stage planner (``shardplan.solver.stages``): exact best pipeline plans.
+"""The stage planner (``shardplan.solver.stages.search``): exact best pipeline plans.
 
 Layers: (a) the planner's objective equals a brute force over every plan on 200+ random small
 problems, infeasible ones included; (b) the same inputs give the same plan; (c) hand-made
@@ -21,10 +21,9 @@ import pytest
 from pipeline_bruteforce import all_plans, best, count_plans, objective, random_problem
 
 from shardplan.errors import ConfigError, InfeasibleError
-from shardplan.solver._bound import config_bound
-from shardplan.solver._mix import best_mix
-from shardplan.solver._shapes import replica_shapes, shape_of, stack_edges
-from shardplan.solver.pipeline import (
+from shardplan.solver.stages.bound import config_bound
+from shardplan.solver.stages.mix import best_mix
+from shardplan.solver.stages.pipeline import (
     DeviceGroup,
     LayerKind,
     LayerOption,
@@ -38,7 +37,13 @@ from shardplan.solver.pipeline import (
     stage_link,
     sync_link,
 )
-from shardplan.solver.stages import PipelineInfeasibleError, _bounds, _configs, solve_pipeline
+from shardplan.solver.stages.search import (
+    PipelineInfeasibleError,
+    _bounds,
+    _configs,
+    solve_pipeline,
+)
+from shardplan.solver.stages.shapes import replica_shapes, shape_of, stack_edges
 
 FREE = Link(1.0, 0.0)  # a link whose transfers of 0 bytes cost nothing
 PLAN_LIMIT = 2000  # random problems with more plans are drawn again (keeps the brute force fast)

@@ -32,7 +32,7 @@ from shardplan.plan.plan import (
     Stage,
     _example,
 )
-from shardplan.solver.simulate import device_order, simulate
+from shardplan.solver.stages.simulate import device_order, simulate
 from shardplan.viz.array import visualize_text
 from shardplan.viz.terminal import BACKWARD, FORWARD, gantt_lines, show, show_text
 

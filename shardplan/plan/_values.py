@@ -34,11 +34,11 @@ statistics."""
 
 PLAN_SCHEDULES = ("none", "gpipe", "1f1b", "interleaved")
 """``Plan.schedule`` values: ``"none"`` (one stage, no pipeline) and the stage planner's
-schedules (``shardplan.solver.pipeline.SCHEDULES``, not imported: the solver package loads
+schedules (``shardplan.solver.stages.pipeline.SCHEDULES``, not imported: the solver package loads
 OR-Tools; a test checks the two agree)."""
 
 REMATS = ("none", "selective", "full")
-"""``Stage.remat`` values: the stage planner's policies (``shardplan.solver.pipeline.REMATS``;
+"""``Stage.remat`` values: the stage planner's policies (``shardplan.solver.stages.pipeline.REMATS``;
 a test checks the two agree)."""
 
 SHARED_LAYER = "shared"

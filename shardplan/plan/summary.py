@@ -467,7 +467,7 @@ def _solver(plan: Plan) -> list[str]:
     lines += _pack(rest, f"  {head}: ", "    ") if rest else [f"  {head}"]
     candidates = s.get("candidates")
     if isinstance(candidates, Mapping) and candidates:
-        # the stage planner's final pick (solver/portfolio.py): predicted / simulated per plan
+        # the stage planner's final pick (solver/stages/portfolio.py): predicted / simulated per plan
         def seconds(x: object) -> str:
             return format_time(float(x)) if isinstance(x, int | float) else "-"
 

@@ -1,7 +1,7 @@
 """The simulator's pipeline timeline that a multi-stage plan carries, read back as events.
 
 The stage planner (:mod:`shardplan.planner.multi`) plays its chosen plan out in the event
-simulator (:func:`shardplan.solver.simulate.simulate`) and stores every task of the step's
+simulator (:func:`shardplan.solver.stages.simulate.simulate`) and stores every task of the step's
 pipeline phase in ``plan.solver["timeline"]``, a plain JSON record (``docs/plan-format.md``)::
 
     {"columns": ["replica", "stage", "kind", "microbatch", "chunk", "start_s", "end_s",

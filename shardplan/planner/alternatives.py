@@ -17,7 +17,7 @@ search already solved: no problem is solved again.
   that could then no longer read it (an in-place read, such as the optimizer update reading
   the state, forbids a resharded operand): those are re-chosen at their cheapest
   (:func:`alternative`). The figures are the problem's own cost terms, as
-  :func:`~shardplan.solver.evaluate.evaluate` adds them.
+  :func:`~shardplan.solver.intraop.evaluate.evaluate` adds them.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from shardplan.planner.decode import placed_analysis
 from shardplan.planner.mesh import MeshChoice
 from shardplan.planner.nodes import IntraOpProblem
 from shardplan.solver import Solution
-from shardplan.solver.pipeline import PipelinePlan
-from shardplan.solver.portfolio import PipelineChoice
-from shardplan.solver.problem import Problem
+from shardplan.solver.intraop.problem import Problem
+from shardplan.solver.stages.pipeline import PipelinePlan
+from shardplan.solver.stages.portfolio import PipelineChoice
 from shardplan.trace.graph import OpGraph
 
 __all__ = ["BASIS", "LAYOUT_BASIS", "MAX_REPAIRS", "RUNNER_UPS", "LocalCosts", "alternative",
@@ -230,7 +230,7 @@ alternative (a group may be re-chosen again when a later repair breaks one of it
 def change(local: LocalCosts, chosen: Sequence[int], after: Sequence[int],
            base_live: Sequence[float]) -> tuple[float, float, bool]:
     """``(objective change, peak bytes change, feasible)`` from ``chosen`` to ``after``: the
-    terms :func:`~shardplan.solver.evaluate.evaluate` adds (node compute and communication,
+    terms :func:`~shardplan.solver.intraop.evaluate.evaluate` adds (node compute and communication,
     edge resharding), over the changed nodes and their edges only; the peak over the
     problem's memory steps; feasible when no cost is infinite, no alias pair is forbidden and
     (hard budget) the peak fits."""
@@ -294,7 +294,7 @@ def leaf_alternatives(graph: OpGraph, ip: IntraOpProblem, solution: Solution, *,
 
 def pipeline_runner_ups(choice: PipelineChoice, device_types: Sequence[str]
                         ) -> list[dict[str, Any]]:
-    """The stage planner's other final candidates (:mod:`shardplan.solver.portfolio`: the
+    """The stage planner's other final candidates (:mod:`shardplan.solver.stages.portfolio`: the
     search's plan and the data-parallel and Megatron seeds), at most :data:`RUNNER_UPS`,
     fastest first: each with its configuration, closed-form step time (the scale of
     ``plan.predicted.step_time_s``), simulated step time, peak bytes per device and why it

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from shardplan.errors import ConfigError, format_error, unknown_key
 from shardplan.plan._values import ACCUMULATIONS
-from shardplan.solver.pipeline import REMATS, SCHEDULES, Remat, Schedule
+from shardplan.solver.stages.pipeline import REMATS, SCHEDULES, Remat, Schedule
 
 __all__ = ["PlanConfig", "conform"]
 

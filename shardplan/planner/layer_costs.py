@@ -1,10 +1,10 @@
 """Layer cost tables: what each layer kind costs on a sub-mesh of each device type.
 
-The stage planner (:mod:`shardplan.solver.stages`) cuts the layer sequence into stages; it needs,
+The stage planner (:mod:`shardplan.solver.stages.search`) cuts the layer sequence into stages; it needs,
 for every layer kind (fingerprint) x device group x sub-mesh size, the intra-op solution's
 forward and backward seconds, the recomputation each remat policy adds, the saved activations,
 the static bytes (parameters, gradients, optimizer state) and the update's seconds
-(:class:`~shardplan.solver.pipeline.LayerOption`), plus each kind's boundary activation and
+(:class:`~shardplan.solver.stages.pipeline.LayerOption`), plus each kind's boundary activation and
 gradient bytes.
 
 One intra-op problem is solved per (device group, sub-mesh size): the whole traced step on that
@@ -52,7 +52,7 @@ from shardplan.cost.sharding import ShardingAnalysis, analyze_sharding, leaf_spe
 from shardplan.planner.fold import Fold, expand, fold_blocks
 from shardplan.planner.layout import IntraOpLayout, MeshCollectives, RooflineTable, StepFacts
 from shardplan.planner.mesh import MeshChoice, MeshSearch
-from shardplan.solver.pipeline import REMATS, LayerKind, LayerOption
+from shardplan.solver.stages.pipeline import REMATS, LayerKind, LayerOption
 from shardplan.trace.graph import Layer, OpGraph
 
 __all__ = ["LayerCosts", "layer_costs", "scanned_stacks", "submesh_sizes"]

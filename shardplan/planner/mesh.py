@@ -46,7 +46,7 @@ from shardplan.planner.layout import (
 )
 from shardplan.planner.nodes import IntraOpProblem
 from shardplan.solver import Solution, solve
-from shardplan.solver.family import ProblemFamily
+from shardplan.solver.intraop.family import ProblemFamily
 from shardplan.trace.graph import OpGraph
 
 __all__ = ["MeshChoice", "MeshSearch", "best_mesh", "candidate_meshes", "coarser_meshes"]
@@ -221,7 +221,7 @@ class MeshSearch:
     * The problem is laid out once per layout signature (:mod:`shardplan.planner.layout`):
       meshes of one shape on different device types, and shapes whose axes divide the same
       factor sizes (2 x 2 ... 4 x 8 for GPT-3), share it; each mesh only prices it.
-    * Its relaxation is built once per layout (:class:`~shardplan.solver.family.ProblemFamily`)
+    * Its relaxation is built once per layout (:class:`~shardplan.solver.intraop.family.ProblemFamily`)
       and re-solved per priced mesh from the previous basis. An integral relaxed optimum is an
       optimal sharding; otherwise the priced problem is solved by :func:`~shardplan.solver.solve`
       exactly as :func:`best_mesh` solves it.

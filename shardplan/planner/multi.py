@@ -3,8 +3,8 @@
 :func:`make_pipeline_plan` traces the train step at a small reference microbatch, builds the
 layer cost tables (:mod:`shardplan.planner.layer_costs`: per layer kind, device group and
 sub-mesh size, the intra-op solution's times and bytes), turns them and the cluster's groups
-and links into the plain-data :class:`~shardplan.solver.pipeline.PipelineProblem`
-(:func:`pipeline_problem`), solves it (:func:`~shardplan.solver.portfolio.plan_pipeline`: the
+and links into the plain-data :class:`~shardplan.solver.stages.pipeline.PipelineProblem`
+(:func:`pipeline_problem`), solves it (:func:`~shardplan.solver.stages.portfolio.plan_pipeline`: the
 stage planner seeded with the data-parallel and Megatron plans, the final pick played out in
 the event simulator), places the stages on devices (:func:`allocate_devices`)
 and writes the :class:`~shardplan.plan.Plan`: stages with their replica, device type, devices,
@@ -32,7 +32,7 @@ from shardplan.plan.timeline import TIMELINE_COLUMNS
 from shardplan.planner.alternatives import LAYOUT_BASIS, leaf_alternatives, pipeline_runner_ups
 from shardplan.planner.decode import decode_constraints, decode_input_specs
 from shardplan.planner.layer_costs import LayerCosts
-from shardplan.solver.pipeline import (
+from shardplan.solver.stages.pipeline import (
     REMATS,
     SCHEDULES,
     DeviceGroup,
@@ -46,8 +46,8 @@ from shardplan.solver.pipeline import (
     stage_sigma,
     transfer_bytes,
 )
-from shardplan.solver.portfolio import PipelineChoice, plan_pipeline
-from shardplan.solver.simulate import simulate
+from shardplan.solver.stages.portfolio import PipelineChoice, plan_pipeline
+from shardplan.solver.stages.simulate import simulate
 from shardplan.trace.batch import BatchUse, batch_use
 from shardplan.trace.graph import OpGraph
 
@@ -68,7 +68,7 @@ distinct replica is listed once (``same_as``); when even those are more, only th
 the last ``window`` microbatches of each (the fill and the drain of the pipeline, with steady
 state on both sides); when even one of each is more, no timeline is stored and a note says so.
 (The stage planner simulates plans of at most
-:data:`~shardplan.solver.portfolio.SIMULATE_TASKS` compute tasks; larger ones have none.)"""
+:data:`~shardplan.solver.stages.portfolio.SIMULATE_TASKS` compute tasks; larger ones have none.)"""
 
 
 def _link(link: ClusterLink) -> Link:
@@ -112,7 +112,7 @@ def pipeline_problem(costs: LayerCosts, cluster: Cluster, *, batch: int,
       microbatch_sizes: candidate microbatch sizes (default :func:`microbatch_candidates`);
         each must divide ``batch``.
       schedules, remats, chunks, max_stages: as in
-        :class:`~shardplan.solver.pipeline.PipelineProblem`.
+        :class:`~shardplan.solver.stages.pipeline.PipelineProblem`.
     """
     sizes = (tuple(microbatch_sizes) if microbatch_sizes
              else microbatch_candidates(batch, cluster.num_devices))
@@ -432,7 +432,7 @@ def _pipeline_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, costs: 
         "exchange_bytes": exchange,
         # what the step's transfers between stages carry (activations forward, gradients back)
         "transfer_bytes": math.ceil(transfer_bytes(problem, pp)),
-        # the final pick (solver/portfolio.py): the search's plan or a baseline seed it did
+        # the final pick (solver/stages/portfolio.py): the search's plan or a baseline seed it did
         # not beat, with every candidate's closed-form and simulated step time
         "chosen": solution.source,
         "candidates": {c.name: {"step_s": c.evaluation.step_time_s,
@@ -479,7 +479,7 @@ def _pipeline_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, costs: 
 
 
 def _timeline_rows(replica: Replica, chunks: int, window: int | None = None) -> int:
-    """The simulator's events of ``replica`` (:mod:`shardplan.solver.simulate`) of its first
+    """The simulator's events of ``replica`` (:mod:`shardplan.solver.stages.simulate`) of its first
     and last ``window`` microbatches (all when ``None``): a forward and a backward per model
     chunk per microbatch, and two transfers per hop between chunks."""
     k, m = len(replica.stages), replica.microbatches

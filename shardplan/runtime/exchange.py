@@ -23,7 +23,7 @@ value flattened, chunk ``q`` its ``q``-th ``1 / G``):
 
 Each party's devices so receive ``2 (G - 1) / G`` of the bytes they hold, the ring all-reduce's
 share (Patarasuk & Yuan 2009) that the stage planner prices
-(:func:`~shardplan.solver.pipeline.sync_transfer_bytes`), and every party ends with the same
+(:func:`~shardplan.solver.stages.pipeline.sync_transfer_bytes`), and every party ends with the same
 bits of every sum (each chunk is reduced once, by one party, and copied). The transfers are
 counted by the bytes their destination devices receive, per stage
 (``plan.measured["sync_moved_bytes"]``). Flattening a value sharded on another dimension than

@@ -7,7 +7,7 @@ and an update part) and :mod:`shardplan.runtime.partition` (both parts cut by st
 :class:`PipelinedStep` runs a plan:
 
 * **Schedule.** The gradient tasks of every microbatch are issued in an order that respects the
-  data flow and follows each stage's schedule (:func:`~shardplan.solver.simulate.device_order`:
+  data flow and follows each stage's schedule (:func:`~shardplan.solver.stages.simulate.device_order`:
   GPipe; 1F1B's warm-up forwards then one backward one forward; interleaved 1F1B over a stage's
   chunks); JAX's asynchronous dispatch lets the stages run concurrently. Values move between
   stages with ``jax.device_put`` when the reading stage first needs them and are dropped after
@@ -124,8 +124,8 @@ from shardplan.runtime.verify import (
     compiled_figures,
     device_bytes,
 )
-from shardplan.solver.pipeline import Schedule
-from shardplan.solver.simulate import device_order
+from shardplan.solver.stages.pipeline import Schedule
+from shardplan.solver.stages.simulate import device_order
 from shardplan.trace.dtypes import itemsize
 
 __all__ = ["PipelinedStep", "placeholder"]

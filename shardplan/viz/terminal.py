@@ -86,7 +86,7 @@ _MEMORY_STYLES = {PARAMS: "magenta", GRADS: "yellow", OPTIMIZER: "cyan", OTHER: 
 
 class TimelineLike(Protocol):
     """One task of a pipeline timeline (``shardplan.plan.timeline.TimelineEvent`` and the
-    simulator's :class:`~shardplan.solver.simulate.Event` both fit)."""
+    simulator's :class:`~shardplan.solver.stages.simulate.Event` both fit)."""
 
     @property
     def replica(self) -> int: ...

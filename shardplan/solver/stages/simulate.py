@@ -1,12 +1,12 @@
 """An event simulator of a pipeline plan, independent of the closed form.
 
-:func:`simulate` plays a :class:`~shardplan.solver.pipeline.PipelinePlan` out microbatch by
+:func:`simulate` plays a :class:`~shardplan.solver.stages.pipeline.PipelinePlan` out microbatch by
 microbatch: every replica's every stage runs its forward and backward tasks (per model chunk
 under interleaving) in the order its schedule dictates, every activation and gradient crossing
 two stages is a task of its own on the link between them, and the step ends with the
 cross-replica gradient all-reduce and the optimizer update. It reads the plan's costs from the
-:class:`~shardplan.solver.pipeline.LayerOption` data itself and never calls
-:func:`~shardplan.solver.pipeline.evaluate_pipeline`, so the tests can hold the planner's
+:class:`~shardplan.solver.stages.pipeline.LayerOption` data itself and never calls
+:func:`~shardplan.solver.stages.pipeline.evaluate_pipeline`, so the tests can hold the planner's
 closed form to it.
 
 The model
@@ -19,7 +19,7 @@ The model
 * **Transfers.** Between model chunks ``g`` and ``g + 1`` on different stages: the forward
   activation (after ``F(g, j)``) and the gradient (after ``B(g + 1, j)``), each
   ``link.time_s(boundary_bytes(last layer of g) * mb)`` on
-  :func:`~shardplan.solver.pipeline.stage_link`. A link carries one transfer at a time per
+  :func:`~shardplan.solver.stages.pipeline.stage_link`. A link carries one transfer at a time per
   direction (one channel per ordered pair of stages, FIFO in the order the sender produced
   them); transfers overlap compute.
 * **Dependencies.** ``F(g, j)`` needs ``F(g - 1, j)`` delivered; ``B(g, j)`` needs ``F(g, j)``
@@ -40,14 +40,14 @@ The model
   one bucket with the stages of the other replicas that hold the same layers: a ring
   all-reduce (Patarasuk & Yuan 2009) of ``2 (R - 1)`` steps, each sending ``1 / R`` of the
   device's bucket, ``latency + bucket / (R bandwidth)`` per step on
-  :func:`~shardplan.solver.pipeline.sync_link`. Stages that share a layer, directly or through
+  :func:`~shardplan.solver.stages.pipeline.sync_link`. Stages that share a layer, directly or through
   others, form one all-reduce group; a ring moves at its slowest member's pace, so a group
   finishes with its longest member; all groups run at once. A stage then runs its optimizer
   update (the sum of its layers' ``update_s``) as soon as its own group has finished.
 * **Memory.** A forward stores its chunk's activations (``mb * activation_bytes[remat]``
   summed over the chunk's layers) when it starts; the matching backward frees them when it
   ends. The peak per device is the state bytes and one backward program's working bytes
-  (:func:`~shardplan.solver.pipeline.stage_work`, as the closed form counts them) plus the
+  (:func:`~shardplan.solver.stages.pipeline.stage_work`, as the closed form counts them) plus the
   largest sum held at once.
 
 Where it differs from the closed form
@@ -58,7 +58,7 @@ two transfers, ``f'`` / ``b'`` the stage forwards / backwards with every hop's o
 (``tests/test_simulate.py`` checks each statement):
 
 * **1F1B**: the closed form's ``sum t + sum c + (m - 1) P``
-  (:func:`~shardplan.solver.pipeline.period_1f1b`: the largest of ``max t``, ``max c / 2``
+  (:func:`~shardplan.solver.stages.pipeline.period_1f1b`: the largest of ``max t``, ``max c / 2``
   and the window averages) is exact on balanced stages without transfers and never below
   the simulation. It is above it (a) where a bottleneck stage hides the round trip
   downstream of it under its ``k - i`` warm-up forwards: stage ``i`` alone needs
@@ -79,7 +79,7 @@ two transfers, ``f'`` / ``b'`` the stage forwards / backwards with every hop's o
   + (v - 1) k`` chunk forwards no longer covers the bottleneck chunk's wait, and the
   simulation can exceed the closed form by up to about 20 % (up to 40 % with long
   transfers) on random plans; :func:`~shardplan.planner.multi.make_plan` reports both.
-* **Memory.** GPipe and 1F1B hold exactly :func:`~shardplan.solver.pipeline.in_flight`
+* **Memory.** GPipe and 1F1B hold exactly :func:`~shardplan.solver.stages.pipeline.in_flight`
   microbatches. Interleaved holds ``in_flight * v`` chunks at the peak, but the warm-up holds
   more of the early chunks, so when chunks differ in activation bytes the peak is
   ``state + mb * max_x (sum_{s<=W+x} a[(s mod k v) // k] - sum_{s<x} a[v - 1 - (s mod k v)
@@ -95,7 +95,7 @@ two transfers, ``f'`` / ``b'`` the stage forwards / backwards with every hop's o
   milliseconds against a step of seconds.
 
 Example:
-    >>> from shardplan.solver.pipeline import (DeviceGroup, LayerKind, LayerOption, Link,
+    >>> from shardplan.solver.stages.pipeline import (DeviceGroup, LayerKind, LayerOption, Link,
     ...     PipelinePlan, PipelineProblem, Replica, StagePlacement)
     >>> link = Link(1e9, 0.0)
     >>> o = LayerOption(1, (0.0, 1.0), (0.0, 2.0), {"none": (0.0, 0.0)}, {"none": 1.0}, 0.0,
@@ -119,7 +119,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from shardplan.errors import PipelineError, format_error
-from shardplan.solver.pipeline import (
+from shardplan.solver.stages.pipeline import (
     LayerOption,
     PipelinePlan,
     PipelineProblem,
@@ -184,7 +184,7 @@ class Simulation:
       peak_chunks: per replica, per stage, the most chunk activations held at once (microbatches
         without interleaving).
       peak_in_flight: ``peak_chunks / v``: comparable with
-        :func:`~shardplan.solver.pipeline.in_flight`.
+        :func:`~shardplan.solver.stages.pipeline.in_flight`.
       events: every task, in start order, when asked for (``timeline=True``); else empty.
     """
 
@@ -460,7 +460,7 @@ def simulate(problem: PipelineProblem, plan: PipelinePlan, /, *,
 
     Raises:
       PipelineError: the plan breaks a structural constraint of
-        :func:`~shardplan.solver.pipeline.check_pipeline`.
+        :func:`~shardplan.solver.stages.pipeline.check_pipeline`.
     """
     violations = check_pipeline(problem, plan)
     if violations:

@@ -1,4 +1,4 @@
-"""A lower bound on every plan of one configuration (rule F in :mod:`shardplan.solver.stages`).
+"""A lower bound on every plan of one configuration (rule F in :mod:`shardplan.solver.stages.search`).
 
 For a microbatch size ``mb``, schedule and chunk count ``v`` (``M = batch / mb``), any plan with
 ``R`` replicas and pipeline time ``tau`` satisfies ``M - R <= F(tau) = sum_g N_g rho_g(tau)``:
@@ -12,7 +12,7 @@ microbatch under option ``o`` (forward, backward and the recomputation of the fa
 whose single layer holds one microbatch), and ``q_l`` weights that add up to 1 (``1 / n`` for
 identical layers). Interleaved, every stage of a ``k``-stage replica holds ``n / k`` layers
 and, as ``m >= k``, at least ``((v - 1) k + 1) / v`` stages' activations
-(:func:`~shardplan.solver.pipeline.in_flight`): with identical layers a remat takes part only
+(:func:`~shardplan.solver.stages.pipeline.in_flight`): with identical layers a remat takes part only
 if such a stage fits for some allowed ``k``.
 
 Proof. A stage ``s`` of replica ``r`` (``m_r`` microbatches) takes ``t_s <= B_r``, so ``tau >=
@@ -45,7 +45,7 @@ Under the cost objective, ``step * price >= sum_r (m_r - 1) sum_g price_g W_rg >
 sum_l min_o price_g w_lo`` by the same inequality.
 
 Example:
-    >>> from shardplan.solver.pipeline import (DeviceGroup, LayerKind, LayerOption, Link,
+    >>> from shardplan.solver.stages.pipeline import (DeviceGroup, LayerKind, LayerOption, Link,
     ...     PipelineProblem)
     >>> link = Link(1e9, 0.0)
     >>> o = LayerOption(1, (0.0, 1.0), (0.0, 2.0), {"none": (0.0, 0.0)}, {"none": 1.0}, 0.0,
@@ -66,7 +66,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shardplan.solver.pipeline import Link, PipelineProblem, Schedule, group_link, slowest_link
+from shardplan.solver.stages.pipeline import (
+    Link,
+    PipelineProblem,
+    Schedule,
+    group_link,
+    slowest_link,
+)
 
 __all__ = ["Fluid", "PlanBound", "config_bound"]
 
@@ -332,7 +338,7 @@ def config_bound(problem: PipelineProblem, mb: int, schedule: Schedule, v: int) 
 @dataclass(frozen=True)
 class PlanBound:
     """What a useful shape must beat: the best plan so far (rules B and F in
-    :mod:`shardplan.solver.stages`).
+    :mod:`shardplan.solver.stages.search`).
 
     Attributes:
       best: the best objective so far (``inf``: none yet).
@@ -367,7 +373,7 @@ class PlanBound:
 
     def link(self, usage: Sequence[int]) -> Link:
         """The synchronisation link of a plan using ``usage`` devices per group
-        (:func:`~shardplan.solver.pipeline.sync_link`)."""
+        (:func:`~shardplan.solver.stages.pipeline.sync_link`)."""
         used = tuple(g for g, u in enumerate(usage) if u)
         if len(used) > 1:
             if used not in self._links:
@@ -408,7 +414,7 @@ class PlanBound:
     def crowded(self, tau: float, runs: int, usage: Sequence[int], replicas: int) -> bool:
         """Rule F for part of a plan: whether ``replicas`` replicas on ``usage`` devices that
         run at most ``runs`` microbatches within ``tau`` leave more microbatches than the other
-        devices' fluid capacity (:mod:`shardplan.solver._bound`) and the replicas that may
+        devices' fluid capacity (:mod:`shardplan.solver.stages.bound`) and the replicas that may
         still join can take."""
         fluid = self.fluid
         if fluid is None or not fluid.usable:

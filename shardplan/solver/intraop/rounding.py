@@ -1,6 +1,6 @@
 """Rounding a fractional LP relaxation of the intra-op problem into a good assignment.
 
-The marginal LP (``ilp._lp_relaxation``, :class:`shardplan.solver.family.ProblemFamily`) is
+The marginal LP (``ilp._lp_relaxation``, :class:`shardplan.solver.intraop.family.ProblemFamily`) is
 integral on chains and trees, but on transformer blocks it is often fractional where strategies
 are symmetric (sharding a dimension on either mesh axis costs the same): the relaxed optimum
 splits such groups half and half, and its bound stays within a fraction of a percent of the

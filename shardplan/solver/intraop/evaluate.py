@@ -5,7 +5,7 @@ check the solver's answers with plain arithmetic, as XLA's ``Evaluate`` checks
 ``auto_sharding_solver.cc``.
 
 Example:
-    >>> from shardplan.solver.problem import Node, Problem
+    >>> from shardplan.solver.intraop.problem import Node, Problem
     >>> p = Problem((Node("a", (1.0, 2.0), (10.0, 0.0), (8.0, 4.0)),), ())
     >>> evaluate(p, (1,)).cost.total
     2.0
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from shardplan.errors import SolverError, format_error
-from shardplan.solver.problem import Problem
+from shardplan.solver.intraop.problem import Problem
 
 __all__ = ["CostBreakdown", "Evaluation", "Violation", "ViolationKind", "evaluate"]
 

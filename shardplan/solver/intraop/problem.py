@@ -346,7 +346,7 @@ class Problem:
 
     def to_json(self, *, indent: int | None = None) -> str:
         """Serialises the problem (``"inf"`` for infinite costs), with ``schema_version``."""
-        from shardplan.solver.problem_json import problem_to_dict
+        from shardplan.solver.intraop.problem_json import problem_to_dict
 
         return json.dumps(problem_to_dict(self), indent=indent)
 
@@ -357,7 +357,7 @@ class Problem:
         Raises:
           SolverError: the schema version is unknown or a key is missing or unexpected.
         """
-        from shardplan.solver.problem_json import problem_from_dict
+        from shardplan.solver.intraop.problem_json import problem_from_dict
 
         return problem_from_dict(_load_versioned(text, "Problem"))
 

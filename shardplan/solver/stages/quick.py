@@ -1,9 +1,9 @@
 """The quick plan: a good first plan for every configuration, fast at any scale.
 
 :func:`quick_mix` mixes replicas that each use one group: the *uniform* shapes of
-:class:`~shardplan.solver._uniform.Family` (every stage of a replica on one sub-mesh size,
+:class:`~shardplan.solver.stages.uniform.Family` (every stage of a replica on one sub-mesh size,
 the layers split as evenly as memory allows, one remat or the fastest that fits each stage) or
-of :func:`~shardplan.solver._shapes.uniform_shapes`. For a pipeline-time bound ``tau`` a plan of
+of :func:`~shardplan.solver.stages.shapes.uniform_shapes`. For a pipeline-time bound ``tau`` a plan of
 such replicas splits into one knapsack per group: the most microbatches ``R_g`` replicas run
 on at most ``D`` devices of group ``g`` (a dynamic program over the device count, in numpy),
 combined over the groups' replica counts. The sweep finds the least ``tau`` at which some
@@ -13,7 +13,7 @@ the best to their least ``tau`` and splits their replicas' microbatches exactly 
 pipeline time). Under the cost objective it also looks for the fewest dollars per hour at each
 ``tau``. Rounds with tighter limits on the largest gradient bytes per device (``sigma``, which
 sets the synchronisation) and on the largest update repeat the sweep. The result is a
-feasible plan, not necessarily the best one: the exact search (:mod:`shardplan.solver.stages`)
+feasible plan, not necessarily the best one: the exact search (:mod:`shardplan.solver.stages.search`)
 starts from it.
 """
 
@@ -24,10 +24,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from shardplan.solver._bound import Fluid, PlanBound
-from shardplan.solver._mix import Mix, _sumset, sync_seconds
-from shardplan.solver._shapes import Budget, Shape, shape_dominates
-from shardplan.solver.pipeline import PipelineProblem
+from shardplan.solver.stages.bound import Fluid, PlanBound
+from shardplan.solver.stages.mix import Mix, _sumset, sync_seconds
+from shardplan.solver.stages.pipeline import PipelineProblem
+from shardplan.solver.stages.shapes import Budget, Shape, shape_dominates
 
 __all__ = ["quick_mix"]
 
@@ -313,7 +313,7 @@ def quick_mix(problem: PipelineProblem, shapes: list[Shape], bound: PlanBound, f
               ) -> Mix | None:
     """The best plan of one-group ``shapes`` the sweep finds (the module docstring), if its
     objective beats ``bound.best``; ``materialize`` gives a shape its stages
-    (:meth:`~shardplan.solver._uniform.Family.materialize`)."""
+    (:meth:`~shardplan.solver.stages.uniform.Family.materialize`)."""
     if not shapes:
         return None
     sweep = _Sweep(problem, shapes, bound, fluid, budget, materialize or (lambda s: s))

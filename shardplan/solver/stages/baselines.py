@@ -1,10 +1,10 @@
 """Baseline plan families that the stage planner is measured against (issue 5, item 5).
 
-Each function returns the best :class:`~shardplan.solver.pipeline.PipelinePlan` of one family
-by :func:`~shardplan.solver.pipeline.evaluate_pipeline` (the problem's objective: step time, or
+Each function returns the best :class:`~shardplan.solver.stages.pipeline.PipelinePlan` of one family
+by :func:`~shardplan.solver.stages.pipeline.evaluate_pipeline` (the problem's objective: step time, or
 cost per step under the throughput floor), or ``None`` when no plan of the family is feasible.
 Every plan is also a plan of the stage planner's search space, so
-:func:`~shardplan.solver.stages.solve_pipeline` is never worse by the closed form when its
+:func:`~shardplan.solver.stages.search.solve_pipeline` is never worse by the closed form when its
 search completes (``stats.optimal``); past its time limit it may be. Like the planner, the
 families are optimised by the closed form; the benchmark (``benchmarks/plan_quality.py``)
 scores all of them with the event simulator too.
@@ -13,7 +13,7 @@ The families
 ------------
 * :func:`data_parallel_only` -- what DDP / FSDP / ZeRO users run: no pipelining. Every replica
   is **one stage holding every layer** on a sub-mesh of ``d`` devices of one group. Inside the
-  stage the layers run as their :class:`~shardplan.solver.pipeline.LayerOption` on ``d``
+  stage the layers run as their :class:`~shardplan.solver.stages.pipeline.LayerOption` on ``d``
   devices says, i.e. the intra-op planner's sharding on that sub-mesh: ``d = 1`` is plain DDP
   (each device holds the whole model), ``d > 1`` is FSDP / ZeRO-3 or hybrid sharding (HSDP)
   inside the sub-mesh, and whatever tensor sharding the intra-op solution picked there.
@@ -51,16 +51,16 @@ without transfers, ``(sum t) / v + (m - 1) max t`` per replica (exact for one st
 slowest stage's update, both from prefix sums over the layers (the closed form's transfers and
 gradient synchronisation are ``>= 0``). Candidates whose memory (the closed form's in-flight
 rule) clearly exceeds a device are dropped; the rest are scored by
-:func:`~shardplan.solver.pipeline.evaluate_pipeline`'s closed form in order of their bound until
+:func:`~shardplan.solver.stages.pipeline.evaluate_pipeline`'s closed form in order of their bound until
 the bound reaches the best objective found, so the result is the family's exact optimum by the
 closed form (ties keep the first candidate in a fixed order: same inputs, same plan). A
 candidate's replicas fall into a few runs of equal ones (all single-stage replicas of one group
 and sub-mesh size are the same), so the microbatch split, the bound and the score are computed
-per run: the score by :class:`~shardplan.solver._runs.RunObjective`, the same figures as
+per run: the score by :class:`~shardplan.solver.stages.runs.RunObjective`, the same figures as
 ``evaluate_pipeline`` gives the built plan, bit for bit, and only the winner is built.
 
 Example:
-    >>> from shardplan.solver.pipeline import (DeviceGroup, LayerKind, LayerOption, Link,
+    >>> from shardplan.solver.stages.pipeline import (DeviceGroup, LayerKind, LayerOption, Link,
     ...     PipelineProblem)
     >>> link = Link(1e9, 0.0)
     >>> o = LayerOption(1, (0.0, 1.0), (0.0, 2.0), {"none": (0.0, 0.0)}, {"none": 1.0}, 0.0,
@@ -83,8 +83,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardplan.errors import InfeasibleError
-from shardplan.solver._runs import RunObjective
-from shardplan.solver.pipeline import (
+from shardplan.solver.stages.pipeline import (
     LayerKind,
     PipelinePlan,
     PipelineProblem,
@@ -97,6 +96,7 @@ from shardplan.solver.pipeline import (
     stage_held,
     stage_work,
 )
+from shardplan.solver.stages.runs import RunObjective
 
 __all__ = [
     "data_parallel_only",

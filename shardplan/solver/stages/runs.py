@@ -1,18 +1,18 @@
 """The closed-form objective of a plan given as runs of equal replicas, without building it.
 
-The baselines (:mod:`shardplan.solver.baselines`) score hundreds of candidate plans, each of
+The baselines (:mod:`shardplan.solver.stages.baselines`) score hundreds of candidate plans, each of
 hundreds of replicas that fall into a few runs of equal ones (every data-parallel replica of
 one group and sub-mesh size is the same single stage). :class:`RunObjective` gives each the
-objective :func:`~shardplan.solver.pipeline.evaluate_pipeline` would, bit for bit: the same
+objective :func:`~shardplan.solver.stages.pipeline.evaluate_pipeline` would, bit for bit: the same
 per-replica figures (computed by the function ``evaluate_pipeline`` itself uses), and the
 synchronisation, update and price summed over the same values in the same order, so a plan
 scored here and the same plan evaluated in full compare equal. Only structurally valid plans
-(:func:`~shardplan.solver.pipeline.check_pipeline` finds nothing) may be scored; the
+(:func:`~shardplan.solver.stages.pipeline.check_pipeline` finds nothing) may be scored; the
 baselines build no others, and ``tests/test_baselines.py`` checks every candidate of random
 problems against the full evaluation.
 
 Example:
-    >>> from shardplan.solver.pipeline import (DeviceGroup, LayerKind, LayerOption, Link,
+    >>> from shardplan.solver.stages.pipeline import (DeviceGroup, LayerKind, LayerOption, Link,
     ...     PipelineProblem, StagePlacement)
     >>> link = Link(1e9, 0.0)
     >>> o = LayerOption(1, (0.0, 1.0), (0.0, 2.0), {"none": (0.0, 0.0)}, {"none": 1.0}, 0.0,
@@ -31,7 +31,7 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from shardplan.solver.pipeline import (
+from shardplan.solver.stages.pipeline import (
     Link,
     PipelineProblem,
     Schedule,
@@ -51,7 +51,7 @@ Run = tuple[tuple[StagePlacement, ...], int, int]
 
 
 class RunObjective:
-    """:func:`~shardplan.solver.pipeline.evaluate_pipeline`'s objective of structurally valid
+    """:func:`~shardplan.solver.stages.pipeline.evaluate_pipeline`'s objective of structurally valid
     plans given as runs (the module docstring), with the figures that candidates share cached
     across calls.
 
@@ -101,7 +101,7 @@ class RunObjective:
         return step * self._price_per_hour(runs) / 3600.0
 
     def _sync_s(self, runs: Sequence[Run]) -> float:
-        """:func:`~shardplan.solver.pipeline.sync_s` of the plan."""
+        """:func:`~shardplan.solver.stages.pipeline.sync_s` of the plan."""
         r = sum(count for _, count, _ in runs)
         if r == 1:
             return 0.0
@@ -115,7 +115,7 @@ class RunObjective:
         return self._sigma[stage]
 
     def _sync_link(self, runs: Sequence[Run]) -> Link:
-        """:func:`~shardplan.solver.pipeline.sync_link` of the plan."""
+        """:func:`~shardplan.solver.stages.pipeline.sync_link` of the plan."""
         holders = [(s, count) for stages, count, _ in runs for s in stages if s.layers]
         groups = sorted({s.group for s, _ in holders})
         if len(groups) > 1:
@@ -127,7 +127,7 @@ class RunObjective:
 
     def _price_per_hour(self, runs: Sequence[Run]) -> float:
         """The plan's price per hour, summed replica by replica and stage by stage as
-        :func:`~shardplan.solver.pipeline.evaluate_pipeline` sums it (float sums depend on
+        :func:`~shardplan.solver.stages.pipeline.evaluate_pipeline` sums it (float sums depend on
         the order)."""
         key = tuple((tuple((s.group, s.devices) for s in stages), count)
                     for stages, count, _ in runs)

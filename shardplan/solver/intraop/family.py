@@ -2,14 +2,14 @@
 
 The layer cost tables solve one traced step on every sub-mesh size of every device type: the
 same nodes, strategies, followers and edges, priced differently. :class:`ProblemFamily` builds
-the relaxation of :mod:`shardplan.solver.ilp` once for the family and re-solves it per cost
+the relaxation of :mod:`shardplan.solver.intraop.ilp` once for the family and re-solves it per cost
 vector from the previous optimal basis (GLOP without presolve keeps its basis across objective
 changes: a few hundred pivots instead of a few thousand from scratch).
 
 The model is the one ``ilp.solve`` relaxes, with the reductions it makes from the costs
 replaced by ones that hold for *every* member of the family:
 
-* follower groups as in :func:`~shardplan.solver.reduce.reduce_problem`, node costs salted
+* follower groups as in :func:`~shardplan.solver.intraop.reduce.reduce_problem`, node costs salted
   the same way, edges inside a group as their diagonal;
 * a strategy (pair) is forbidden where its cost is ``inf``; the family is built from one
   member's pattern and a member with another pattern is refused (``solve`` returns None);
@@ -21,7 +21,7 @@ replaced by ones that hold for *every* member of the family:
   every member).
 
 An integral relaxed optimum is an optimum of the ILP (see ``ilp._lp_relaxation``). A fractional
-one is rounded by :func:`~shardplan.solver.rounding.round_relaxation` when the caller accepts a
+one is rounded by :func:`~shardplan.solver.intraop.rounding.round_relaxation` when the caller accepts a
 gap (diving on the family's relaxation, whose bounds are restored after), and the rounding is
 the caller's to accept; otherwise, or for a member the family refuses, the caller solves it
 with :func:`~shardplan.solver.solve`.
@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.linear_solver import linear_solver_pb2, pywraplp
 
-from shardplan.solver.reduce import SALTIPLIER, salt
-from shardplan.solver.rounding import Rounded, round_relaxation
+from shardplan.solver.intraop.reduce import SALTIPLIER, salt
+from shardplan.solver.intraop.rounding import Rounded, round_relaxation
 
 __all__ = ["FamilySolution", "ProblemFamily"]
 
@@ -307,7 +307,7 @@ class ProblemFamily:
         """The relaxed optimum of the member with these costs, or None if its ``inf``
         pattern is not the family's or GLOP does not reach an optimum.
 
-        A fractional optimum is rounded (:mod:`shardplan.solver.rounding`, diving until the
+        A fractional optimum is rounded (:mod:`shardplan.solver.intraop.rounding`, diving until the
         rounding is within ``relative_gap`` of the bound) when ``relative_gap`` is positive;
         the returned assignment is then the cheaper of that and the largest values.
         """

@@ -3,9 +3,9 @@ many devices each, in how many data-parallel replicas, with which microbatches, 
 remat. Plain data and the exact closed-form objective; imports nothing from jax.
 
 This module is the contract between the layer cost tables (built from the traced step by the
-intra-op planner), the stage planner (:mod:`shardplan.solver.stages`, which minimises
+intra-op planner), the stage planner (:mod:`shardplan.solver.stages.search`, which minimises
 :func:`evaluate_pipeline`), the brute-force enumeration that checks it, and the event simulator
-(:mod:`shardplan.solver.simulate`), which plays the same plan out microbatch by microbatch.
+(:mod:`shardplan.solver.stages.simulate`), which plays the same plan out microbatch by microbatch.
 
 The model
 ---------
@@ -67,7 +67,7 @@ Step time (:func:`evaluate_pipeline`), per replica with ``k`` stages and ``m`` m
   ``i + 1``, so a round trip from stage ``i`` through ``j`` is covered by only ``j - i + 1``
   microbatches and transfers sit on the steady state's critical path. On balanced stages
   without transfers this is the textbook ``(m + k - 1) t``; with transfers the simulator
-  (:mod:`shardplan.solver.simulate`) never takes longer (``tests/test_simulate.py``), and
+  (:mod:`shardplan.solver.stages.simulate`) never takes longer (``tests/test_simulate.py``), and
   takes as long up to the first microbatches and a stage whose own round trip hides under
   its warm-up. GPipe gets the same closed form (the stage planner's rule G), although
   draining every forward before the first backward makes it pay the forward and the
@@ -77,7 +77,7 @@ Step time (:func:`evaluate_pipeline`), per replica with ``k`` stages and ``m`` m
   time (bubble ``(k - 1) t / v``, Narayanan et al. 2021), every microbatch crosses every hop,
   and a link carries ``v`` transfers per direction per microbatch. Exact against the
   simulator on balanced stages whose transfers are shorter than a chunk's forward and
-  backward; the module :mod:`shardplan.solver.simulate` lists the rest;
+  backward; the module :mod:`shardplan.solver.stages.simulate` lists the rest;
 * gradient synchronisation across replicas (``R > 1``), not overlapped with the pipeline
   (:func:`sync_s`): the stages of a replica hold disjoint devices, so each stage all-reduces
   its own layers' gradients with the replicas holding the same layers, all stages at once,
@@ -143,7 +143,7 @@ __all__ = [
 ]
 
 # (Past 600 lines: the contract's dataclasses, the closed-form evaluator and its checks are
-# read together; the per-replica figures shared with solver/_runs.py live beside the evaluator
+# read together; the per-replica figures shared with solver/stages/runs.py live beside the evaluator
 # so that both sum in the same order.)
 
 Remat = Literal["none", "selective", "full"]
@@ -306,7 +306,7 @@ class PipelineProblem:
         those two groups where it differs from ``between_groups``.
       time_limit_s: the stage planner's wall-clock budget: past it, the search stops and
         returns the best plan found with a proven lower bound
-        (:class:`~shardplan.solver.stages.SolveStats`).
+        (:class:`~shardplan.solver.stages.search.SolveStats`).
       work_limit: the stage planner's work budget in units (labels built, shapes compared,
         knapsack states, quick-sweep steps; 0: none). Unlike the wall clock, a search cut
         by it returns the same plan under any load.

@@ -11,8 +11,8 @@ CP-SAT takes integer coefficients only. :func:`choose_scaling` picks, for one re
 * the soft-memory penalty per memory unit of excess, capped just above the whole cost span.
 
 Example:
-    >>> from shardplan.solver.problem import Node, Problem
-    >>> from shardplan.solver.reduce import reduce_problem
+    >>> from shardplan.solver.intraop.problem import Node, Problem
+    >>> from shardplan.solver.intraop.reduce import reduce_problem
     >>> p = Problem((Node("a", (3.0, 1.0), (0.0, 0.0), (0.0, 0.0)),), (), time_limit_s=5)
     >>> scaling = choose_scaling(p, reduce_problem(p))  # largest salted cost ~3.0 -> 1e8 / unit
     >>> scaling.cost_scale, scaling.to_int(1.0)
@@ -25,8 +25,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shardplan.solver.problem import Problem
-from shardplan.solver.reduce import Reduced
+from shardplan.solver.intraop.problem import Problem
+from shardplan.solver.intraop.reduce import Reduced
 
 __all__ = [
     "COST_INT_LIMIT",

@@ -16,16 +16,16 @@ The formulation is XLA's (``auto_sharding_solver.cc``), restated for CP-SAT:
 * departures, the cost cap and aliases are linear constraints / binary clauses.
 
 The problem reduction (follower groups, merged and folded edges, the greedy start) lives in
-:mod:`shardplan.solver.reduce`; CP-SAT needs integer coefficients and
-:mod:`shardplan.solver.scaling` documents the conversion. This module builds the model, solves
+:mod:`shardplan.solver.intraop.reduce`; CP-SAT needs integer coefficients and
+:mod:`shardplan.solver.intraop.scaling` documents the conversion. This module builds the model, solves
 it and diagnoses infeasibility. The returned objective is recomputed exactly from the
-assignment by :func:`shardplan.solver.evaluate`.
+assignment by :func:`shardplan.solver.intraop.evaluate`.
 
 :data:`SALTIPLIER`, :func:`salt` and the scaling limits are re-exported here from the modules
 that define them.
 
 Example:
-    >>> from shardplan.solver.problem import Node, Problem
+    >>> from shardplan.solver.intraop.problem import Node, Problem
     >>> p = Problem((Node("a", (3.0, 1.0), (0.0, 0.0), (0.0, 0.0)),), (), time_limit_s=5)
     >>> solve(p).assignment
     (1,)
@@ -44,11 +44,17 @@ from ortools.linear_solver import pywraplp
 from ortools.sat.python import cp_model
 
 from shardplan.errors import SolverError, format_error
-from shardplan.solver.evaluate import evaluate
-from shardplan.solver.problem import Problem, Solution, SolutionStatus
-from shardplan.solver.reduce import SALTIPLIER, Reduced, hint_assignment, reduce_problem, salt
-from shardplan.solver.rounding import Rounded, round_relaxation
-from shardplan.solver.scaling import (
+from shardplan.solver.intraop.evaluate import evaluate
+from shardplan.solver.intraop.problem import Problem, Solution, SolutionStatus
+from shardplan.solver.intraop.reduce import (
+    SALTIPLIER,
+    Reduced,
+    hint_assignment,
+    reduce_problem,
+    salt,
+)
+from shardplan.solver.intraop.rounding import Rounded, round_relaxation
+from shardplan.solver.intraop.scaling import (
     COST_INT_LIMIT,
     MEMORY_UNITS_LIMIT,
     OBJECTIVE_INT_LIMIT,
@@ -336,8 +342,8 @@ class _Relaxed:
 
 
 GLOP_PARAMETERS = "use_preprocessing: false use_dual_simplex: true"
-"""As :data:`shardplan.solver.family.GLOP_PARAMETERS`: without presolve GLOP keeps its basis
-across bound changes, so a dive's re-solve (:mod:`shardplan.solver.rounding`) takes tens of
+"""As :data:`shardplan.solver.intraop.family.GLOP_PARAMETERS`: without presolve GLOP keeps its basis
+across bound changes, so a dive's re-solve (:mod:`shardplan.solver.intraop.rounding`) takes tens of
 pivots (~15 ms on a GPT block) instead of the first solve's ~1,600."""
 
 
@@ -375,7 +381,7 @@ def _lp_relaxation(built: _Model) -> _Relaxation | None:
     The relaxation of the marginal formulation is integral on chains and trees and, measured on
     traced train steps (transformer blocks with residual and attention fan-out), integral on
     their DAGs too unless a memory budget binds (a knapsack) or symmetric strategies split
-    (:mod:`shardplan.solver.rounding`). An integral relaxed optimum is an optimum of the ILP
+    (:mod:`shardplan.solver.intraop.rounding`). An integral relaxed optimum is an optimum of the ILP
     (its value bounds the ILP's from below and the point is feasible), so CP-SAT is only needed
     when the relaxation is fractional and its rounding is not within the problem's
     ``relative_gap``. GLOP is a deterministic simplex: the result does not depend on time
@@ -428,7 +434,7 @@ def _from_relaxation(problem: Problem, red: Reduced, relaxation: _Relaxation,
     """The relaxed optimum's rounding as the solution, when it is proven close enough.
 
     An integral optimum is optimal. A fractional one is rounded to the largest value per group
-    and by :func:`~shardplan.solver.rounding.round_relaxation` (diving on ``relaxation`` when
+    and by :func:`~shardplan.solver.intraop.rounding.round_relaxation` (diving on ``relaxation`` when
     ``problem.relative_gap`` allows a rounding at all); the cheaper rounding the evaluator
     finds feasible is accepted when within ``problem.relative_gap`` of the relaxation's bound.
     Otherwise it is returned (per root) as CP-SAT's hint, or None when none is feasible.

@@ -1,9 +1,9 @@
 """The stage planner: the best pipeline plan of a :class:`PipelineProblem`.
 
 :func:`solve_pipeline` returns the plan that minimises
-:func:`~shardplan.solver.pipeline.evaluate_pipeline`'s step time (``objective="time"``) or
+:func:`~shardplan.solver.stages.pipeline.evaluate_pipeline`'s step time (``objective="time"``) or
 its cost per step subject to the throughput floor (``"cost"``), over every plan
-:func:`~shardplan.solver.pipeline.check_pipeline` accepts: replicas that differ in stages,
+:func:`~shardplan.solver.stages.pipeline.check_pipeline` accepts: replicas that differ in stages,
 sub-meshes and groups, uneven microbatch counts, stages of different lengths, one remat per
 stage, and every candidate microbatch size, schedule and chunk count. The search is exact: it
 drops a candidate only by one of the rules below, each of which keeps an optimal plan. It is
@@ -17,18 +17,18 @@ Algorithm
 ---------
 Per configuration (microbatch size ``mb``, schedule, chunks ``v``; ``M = batch / mb``):
 
-1. **Replica shapes** (:mod:`shardplan.solver._shapes`). A replica without its microbatch count
+1. **Replica shapes** (:mod:`shardplan.solver.stages.shapes`). A replica without its microbatch count
    is a *shape*; the plan sees its devices per group ``u``, its pipeline time
-   ``T(m) = A + (m - 1) B`` (:func:`~shardplan.solver.pipeline.replica_time`: ``A = sum t +
+   ``T(m) = A + (m - 1) B`` (:func:`~shardplan.solver.stages.pipeline.replica_time`: ``A = sum t +
    sum c``, ``B`` the 1F1B period; interleaved ``A = sum t / v + sum c + (1 - 1/v) B``), the most
    microbatches its memory holds ``cap``, the granularity ``step`` (``k`` when interleaved),
    ``sigma``, the largest gradient bytes a device of one of its stages all-reduces
-   (:func:`~shardplan.solver.pipeline.sync_s`), and ``U``, its slowest stage's update. A
+   (:func:`~shardplan.solver.stages.pipeline.sync_s`), and ``U``, its slowest stage's update. A
    dynamic program builds shapes from the last stage backwards (a stage's 1F1B in-flight
    count depends on its distance ``p`` from the end); interleaved shapes, whose stages hold
    fixed chunks, from the first stage forwards. Labels are pruned by rules L, I, B and F; the
    finished shapes by rule S.
-2. **Mixing** (:mod:`shardplan.solver._mix`). For a pipeline-time bound ``tau`` a shape runs
+2. **Mixing** (:mod:`shardplan.solver.stages.mix`). For a pipeline-time bound ``tau`` a shape runs
    any multiple of its step up to ``c(tau)``, the most with ``T(m) <= tau`` that its memory
    holds. A knapsack over shapes builds, per replica count ``r`` and set of groups used, the
    states ``(u, reachable microbatch totals as a bitmask, max sigma, max U, price)``, pruned
@@ -36,10 +36,10 @@ Per configuration (microbatch size ``mb``, schedule, chunks ``v``; ``M = batch /
    ``tau + sync(r, link(u), sigma) + U`` (times its price under ``cost``). Rule T sweeps ``tau``
    over the breakpoints ``T(m)`` of all shapes.
 
-Every configuration first gets its fluid floor (rule F, :mod:`shardplan.solver._bound`).
+Every configuration first gets its fluid floor (rule F, :mod:`shardplan.solver.stages.bound`).
 Phase 1 builds a quick plan per configuration, least floor first, from *uniform* replicas
-(every stage of a replica on one group and sub-mesh size; :mod:`shardplan.solver._quick`, with
-:mod:`shardplan.solver._uniform` when all layers are one kind): a first plan to bound the
+(every stage of a replica on one group and sub-mesh size; :mod:`shardplan.solver.stages.quick`, with
+:mod:`shardplan.solver.stages.uniform` when all layers are one kind): a first plan to bound the
 search, found in about a second for GPT-3 on a thousand GPUs. Phase 2 runs the full search
 for every configuration whose floor is below the best plan, the most promising first, each
 bounded by the best plan so far (rules B and F), and keeps a plan only if strictly better
@@ -56,9 +56,9 @@ in the link of the synchronisation where that link gets slower; floating-point `
 for the doubles compared. A group is *safe* when its intra-node link is no slower than its
 inter-node one (bandwidth ``>=``, latency ``<=``): then using fewer of its devices never slows
 the synchronisation (the link is chosen by the plan's groups and device total,
-:func:`~shardplan.solver.pipeline.sync_link`). A plan on several groups synchronises on the
+:func:`~shardplan.solver.stages.pipeline.sync_link`). A plan on several groups synchronises on the
 least bandwidth and the largest latency among the links between its groups
-(:func:`~shardplan.solver.pipeline.slowest_link`), so using more groups never makes it
+(:func:`~shardplan.solver.stages.pipeline.slowest_link`), so using more groups never makes it
 faster. Prices must be ``>= 0`` under ``cost``.
 
 * **S (shape dominance).** Shape ``a`` replaces ``b`` in any plan, with ``b``'s microbatch
@@ -96,7 +96,7 @@ faster. Prices must be ``>= 0`` under ``cost``.
   a 1F1B twin, feasible, of equal objective: when both are allowed only 1F1B is searched.
 * **F (the fluid floor).** Any plan of a configuration with ``R`` replicas and pipeline time
   ``tau`` has ``M - R <= F(tau)``, the groups' fluid capacity (the proof is in
-  :mod:`shardplan.solver._bound`); with the least synchronisation and update of ``R``
+  :mod:`shardplan.solver.stages.bound`); with the least synchronisation and update of ``R``
   replicas on the groups used, this floors every plan of the configuration, so a
   configuration whose floor is not below the best plan holds no better one. Applied to part of
   a plan (time objective): a suffix label whose replica, when it does not win alone, runs at
@@ -121,7 +121,7 @@ faster. Prices must be ``>= 0`` under ``cost``.
   below" true. Breakpoints whose objective floor cannot beat the best are never visited.
 
 Floating point: memory and the throughput floor are checked with
-:func:`~shardplan.solver.pipeline.evaluate_pipeline`'s own expressions (stage sums in layer
+:func:`~shardplan.solver.stages.pipeline.evaluate_pipeline`'s own expressions (stage sums in layer
 order, the same in-flight formula), so feasibility agrees exactly. Objectives are compared on
 sums accumulated in another order (stages backwards, ``sigma`` per stage), so two plans equal
 to the last bit in one order can differ by an ulp in the other: the returned evaluation is
@@ -135,7 +135,7 @@ of GPUs per type is out of the exact search's reach: there the quick plan and th
 come back at the time limit (``benchmarks/stage_scale.py``).
 
 Example:
-    >>> from shardplan.solver.pipeline import (DeviceGroup, LayerKind, LayerOption, Link,
+    >>> from shardplan.solver.stages.pipeline import (DeviceGroup, LayerKind, LayerOption, Link,
     ...     PipelineProblem)
     >>> link = Link(1e9, 0.0)
     >>> o = LayerOption(1, (0.0, 1.0), (0.0, 2.0), {"none": (0.0, 0.0)}, {"none": 1.0}, 0.0,
@@ -160,18 +160,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from shardplan.errors import ConfigError, InfeasibleError, SolverError, format_error
-from shardplan.solver._bound import Fluid, PlanBound
-from shardplan.solver._mix import Mix, best_mix
-from shardplan.solver._quick import quick_mix
-from shardplan.solver._shapes import (
-    Budget,
-    SearchTimeout,
-    _Types,
-    replica_shapes,
-    uniform_shapes,
-)
-from shardplan.solver._uniform import Family
-from shardplan.solver.pipeline import (
+from shardplan.solver.stages.bound import Fluid, PlanBound
+from shardplan.solver.stages.mix import Mix, best_mix
+from shardplan.solver.stages.pipeline import (
     PipelineEvaluation,
     PipelinePlan,
     PipelineProblem,
@@ -180,6 +171,15 @@ from shardplan.solver.pipeline import (
     evaluate_pipeline,
     group_link,
 )
+from shardplan.solver.stages.quick import quick_mix
+from shardplan.solver.stages.shapes import (
+    Budget,
+    SearchTimeout,
+    _Types,
+    replica_shapes,
+    uniform_shapes,
+)
+from shardplan.solver.stages.uniform import Family
 
 __all__ = [
     "InfeasibilityReport",
@@ -399,7 +399,7 @@ def _configs(problem: PipelineProblem) -> list[tuple[int, Schedule, int]]:
 
 def solve_pipeline(problem: PipelineProblem, /, *,
                    seeds: Sequence[PipelinePlan] = ()) -> PipelineSolution:
-    """The plan minimising :func:`~shardplan.solver.pipeline.evaluate_pipeline`'s step time
+    """The plan minimising :func:`~shardplan.solver.stages.pipeline.evaluate_pipeline`'s step time
     (``objective="time"``) or cost per step subject to the throughput floor (``"cost"``).
 
     Exact when the search ends within ``problem.time_limit_s`` (``stats.optimal``); otherwise
@@ -407,7 +407,7 @@ def solve_pipeline(problem: PipelineProblem, /, *,
 
     Args:
       problem: the layer cost tables, device groups and candidates.
-      seeds: plans to start from (say, the baselines' of :mod:`shardplan.solver.baselines`):
+      seeds: plans to start from (say, the baselines' of :mod:`shardplan.solver.stages.baselines`):
         each feasible one bounds the search from the start, and the result is never worse
         than any of them (ties keep the seed). Infeasible seeds are ignored.
 
@@ -517,9 +517,9 @@ def _plan(mix: Mix, mb: int, schedule: Schedule, v: int) -> PipelinePlan:
 
 def _quick(problem: PipelineProblem, mb: int, schedule: Schedule, v: int, bound: PlanBound,
            fluid: Fluid, types: _Types, tables: dict, budget: Budget) -> Mix | None:
-    """The quick plan of one configuration (:mod:`shardplan.solver._quick`): uniform replicas
-    of a problem of identical layers from :class:`~shardplan.solver._quick.Family`, else
-    :func:`~shardplan.solver._shapes.uniform_shapes`."""
+    """The quick plan of one configuration (:mod:`shardplan.solver.stages.quick`): uniform replicas
+    of a problem of identical layers from :class:`~shardplan.solver.stages.quick.Family`, else
+    :func:`~shardplan.solver.stages.shapes.uniform_shapes`."""
     if len(set(problem.layers)) == 1 and not problem.stacks:  # Family cuts stacks anywhere
         family = Family(problem, mb, schedule, v, types, tables)
         return quick_mix(problem, family.shapes, bound, fluid, budget, family.materialize)

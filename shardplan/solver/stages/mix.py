@@ -10,8 +10,8 @@ plan's objective is ``tau' + sync + update`` (times its price under the cost obj
 ``tau' <= tau`` its real pipeline time, so :func:`best_mix` sweeps ``tau`` over the breakpoints
 ``s.time_s(m)`` upwards, jumping by bisection to the next breakpoint where a state appears
 that could beat the best plan so far and whose replicas, with the fluid capacity of the
-devices left (:mod:`shardplan.solver._bound`), can still place every microbatch (rules K, B,
-F and T in :mod:`shardplan.solver.stages`).
+devices left (:mod:`shardplan.solver.stages.bound`), can still place every microbatch (rules K, B,
+F and T in :mod:`shardplan.solver.stages.search`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 
-from shardplan.solver._bound import PlanBound
-from shardplan.solver._shapes import UNLIMITED, Budget, Shape, _usage_le
-from shardplan.solver.pipeline import Link, PipelineProblem
+from shardplan.solver.stages.bound import PlanBound
+from shardplan.solver.stages.pipeline import Link, PipelineProblem
+from shardplan.solver.stages.shapes import UNLIMITED, Budget, Shape, _usage_le
 
 __all__ = ["Mix", "best_mix", "sync_seconds"]
 
@@ -45,7 +45,7 @@ class Mix:
 
 
 def sync_seconds(replicas: int, link: Link, sigma: float) -> float:
-    """:func:`~shardplan.solver.pipeline.sync_s` from its parts."""
+    """:func:`~shardplan.solver.stages.pipeline.sync_s` from its parts."""
     if replicas <= 1:
         return 0.0
     return (2 * (replicas - 1) / replicas * sigma / link.bandwidth_bytes_per_s

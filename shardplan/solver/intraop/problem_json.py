@@ -1,11 +1,11 @@
-"""JSON layout of :class:`~shardplan.solver.problem.Problem` (``Problem.to_json`` /
+"""JSON layout of :class:`~shardplan.solver.intraop.problem.Problem` (``Problem.to_json`` /
 ``Problem.from_json``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from shardplan.solver.problem import (
+from shardplan.solver.intraop.problem import (
     SCHEMA_VERSION,
     Alias,
     Edge,

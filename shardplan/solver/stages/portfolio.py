@@ -4,18 +4,18 @@ baselines' plans, the final pick checked in the event simulator.
 :func:`plan_pipeline`
 
 1. builds the best data-parallel-only and Megatron-style plans
-   (:func:`~shardplan.solver.baselines.data_parallel_only`,
-   :func:`~shardplan.solver.baselines.megatron_grid`; both exact for their family by the
+   (:func:`~shardplan.solver.stages.baselines.data_parallel_only`,
+   :func:`~shardplan.solver.stages.baselines.megatron_grid`; both exact for their family by the
    closed form, cheap next to the search);
-2. runs :func:`~shardplan.solver.stages.solve_pipeline` with them as seeds: they bound the
+2. runs :func:`~shardplan.solver.stages.search.solve_pipeline` with them as seeds: they bound the
    search from its first step, and its plan is never worse than theirs by the closed form,
    even when the search stops at its budget;
 3. plays the search's plan and every distinct seed out in the simulator
-   (:func:`~shardplan.solver.simulate.simulate`) when each has at most ``simulate_tasks``
+   (:func:`~shardplan.solver.stages.simulate.simulate`) when each has at most ``simulate_tasks``
    compute tasks, and returns the best by the simulated objective (step time, or dollars per
    step for ``objective="cost"`` among the candidates that keep the throughput floor in the
    simulation too; ties keep the search's plan). The closed form and the simulator differ by
-   well under 1 % on 1F1B plans (:mod:`shardplan.solver.simulate`), so the pick rarely
+   well under 1 % on 1F1B plans (:mod:`shardplan.solver.stages.simulate`), so the pick rarely
    changes; it makes "never worse than the baselines" hold in the simulator as well. When some
    candidate is too large to simulate, the closed form decides alone;
 4. when an interleaved candidate simulates more than ``INTERLEAVED_SLACK`` slower than its
@@ -29,15 +29,15 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from shardplan.solver.baselines import data_parallel_only, megatron_grid
-from shardplan.solver.pipeline import (
+from shardplan.solver.stages.baselines import data_parallel_only, megatron_grid
+from shardplan.solver.stages.pipeline import (
     PipelineEvaluation,
     PipelinePlan,
     PipelineProblem,
     evaluate_pipeline,
 )
-from shardplan.solver.simulate import Simulation, simulate
-from shardplan.solver.stages import SolveStats, solve_pipeline
+from shardplan.solver.stages.search import SolveStats, solve_pipeline
+from shardplan.solver.stages.simulate import Simulation, simulate
 
 __all__ = ["SIMULATE_TASKS", "Candidate", "PipelineChoice", "compute_tasks", "plan_pipeline"]
 

@@ -19,7 +19,7 @@ smaller equivalent over follower groups:
 :data:`SALTIPLIER` and :func:`salt` are the reproducible tie-breaking applied to node costs.
 
 Example:
-    >>> from shardplan.solver.problem import Node, Problem
+    >>> from shardplan.solver.intraop.problem import Node, Problem
     >>> p = Problem((Node("a", (3.0, 1.0), (0.0, 0.0), (0.0, 0.0)),), (), time_limit_s=5)
     >>> red = reduce_problem(p)
     >>> red.allowed(0), greedy_assignment(red)
@@ -33,7 +33,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from shardplan.solver.problem import Problem
+from shardplan.solver.intraop.problem import Problem
 
 __all__ = [
     "SALTIPLIER",

@@ -5,11 +5,11 @@ of it is :class:`Shape`'s figures: the devices it uses per group, its pipeline t
 ``fill_s + (m - 1) * bottleneck_s`` for ``m`` microbatches, the most microbatches its memory
 holds (``cap``), the microbatch granularity (``step``: ``k`` under interleaving), the largest
 gradient bytes a device of one of its stages all-reduces (``sigma``,
-:func:`~shardplan.solver.pipeline.sync_s`) and its slowest stage's update. :func:`replica_shapes` enumerates shapes with a dynamic program over the layers
+:func:`~shardplan.solver.stages.pipeline.sync_s`) and its slowest stage's update. :func:`replica_shapes` enumerates shapes with a dynamic program over the layers
 (backward, so that a stage knows its distance from the last stage, which sets its 1F1B
 in-flight count) or, interleaved, over the stages, and keeps a label only when no other label
 of the same state is at least as good in every figure and the label could still be part of a
-plan better than the best so far (the rules are proved in :mod:`shardplan.solver.stages`).
+plan better than the best so far (the rules are proved in :mod:`shardplan.solver.stages.search`).
 Both programs stop with :class:`SearchTimeout` at the problem's time limit.
 """
 
@@ -22,8 +22,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from shardplan.solver._bound import PlanBound
-from shardplan.solver.pipeline import (
+from shardplan.solver.stages.bound import PlanBound
+from shardplan.solver.stages.pipeline import (
     PipelineProblem,
     Schedule,
     StagePlacement,
@@ -93,11 +93,11 @@ class Shape:
       usage: devices per group.
       fill_s: the pipeline time of one microbatch (:func:`fill_s`).
       bottleneck_s: the period ``P`` of each further microbatch
-        (:func:`~shardplan.solver.pipeline.replica_time`).
+        (:func:`~shardplan.solver.stages.pipeline.replica_time`).
       cap: the most microbatches (at most the step's) every stage's memory holds.
       step: the microbatch count must be a multiple of this (stages under interleaving).
       sigma: the largest ``sigma_{r,s}`` of its stages (gradient bytes per device,
-        :func:`~shardplan.solver.pipeline.sync_s`).
+        :func:`~shardplan.solver.stages.pipeline.sync_s`).
       update_s: the slowest stage's optimizer update.
     """
 
@@ -190,7 +190,7 @@ class _Types:
 
     def hop(self, g: int, d: int, cls: tuple, last: int) -> float:
         """Both transfers between a stage on ``d`` devices of group ``g`` and a neighbour of
-        hop class ``cls`` after layer ``last`` (:func:`~shardplan.solver.pipeline.stage_link`)."""
+        hop class ``cls`` after layer ``last`` (:func:`~shardplan.solver.stages.pipeline.stage_link`)."""
         key = (g, d, cls, last)
         if key not in self._hops:
             problem = self.problem
@@ -205,9 +205,9 @@ class _Types:
 
     def sums(self, ti: int, layers: Sequence[int]) -> tuple[float, ...] | None:
         """``(seconds, held, activation, update, sigma)`` of type ``ti`` over ``layers`` in
-        order (the order :func:`~shardplan.solver.pipeline.evaluate_pipeline` sums in);
+        order (the order :func:`~shardplan.solver.stages.pipeline.evaluate_pipeline` sums in);
         ``held`` is the state plus one backward program's working bytes
-        (:func:`~shardplan.solver.pipeline.stage_held` with no microbatch in flight)."""
+        (:func:`~shardplan.solver.stages.pipeline.stage_held` with no microbatch in flight)."""
         t = st = ac = up = sg = rc = wk = 0.0
         row = self.per_layer[ti]
         works = []
@@ -288,7 +288,7 @@ def _cap(fits: Callable[[int], bool], lo: int, hi: int) -> int:
 def stage_cap(schedule: Schedule, state: float, activation: float, mb: int, memory: float,
               total: int, i: int, k: int, v: int) -> int:
     """The most microbatches (up to ``total``) stage ``i`` of ``k`` holds in memory, exactly as
-    :func:`~shardplan.solver.pipeline.evaluate_pipeline` checks it; 0 if not even one."""
+    :func:`~shardplan.solver.stages.pipeline.evaluate_pipeline` checks it; 0 if not even one."""
     if schedule == "gpipe":
         return _cap(lambda m: state + float(m) * mb * activation <= memory, 1, total)
     if schedule == "1f1b":
@@ -346,7 +346,7 @@ def shape_of(problem: PipelineProblem, mb: int, schedule: Schedule, v: int,
              stages: Sequence[StagePlacement], types: _Types | None = None) -> Shape | None:
     """The figures of one replica's ``stages`` (``None`` if some stage lacks an option or does
     not hold one microbatch), computed as
-    :func:`~shardplan.solver.pipeline.evaluate_pipeline` does."""
+    :func:`~shardplan.solver.stages.pipeline.evaluate_pipeline` does."""
     types = types or _Types(problem, mb)
     index = types.index
     total, k = problem.batch // mb, len(stages)
@@ -383,7 +383,7 @@ def shape_of(problem: PipelineProblem, mb: int, schedule: Schedule, v: int,
 
 def shape_timing(times: Sequence[float], hops: Sequence[float], v: int) -> tuple[float, float]:
     """A whole replica's ``(fill_s, bottleneck_s)`` from its stage times and its round trips in
-    the order a microbatch crosses them (:func:`~shardplan.solver.pipeline.replica_time`)."""
+    the order a microbatch crosses them (:func:`~shardplan.solver.stages.pipeline.replica_time`)."""
     if v == 1:
         return sum(times) + sum(hops), period_1f1b(times, hops)
     bott = max(max(times), v * max(hops, default=0.0) / 2)
@@ -393,7 +393,7 @@ def shape_timing(times: Sequence[float], hops: Sequence[float], v: int) -> tuple
 def fill_s(seconds: float, bottleneck_s: float, v: int) -> float:
     """A shape's ``fill_s`` from its label sums: ``seconds = sum t + v sum c`` (``v`` chunks)
     and its bottleneck ``B``: ``seconds / v + (1 - 1 / v) B``, so that ``fill_s + (m - 1) B``
-    is :func:`~shardplan.solver.pipeline.replica_time` (``sum t + sum c + (m - 1) B`` without
+    is :func:`~shardplan.solver.stages.pipeline.replica_time` (``sum t + sum c + (m - 1) B`` without
     interleaving, ``sum t / v + sum c + (m - 1 / v) B`` with)."""
     return seconds if v == 1 else seconds / v + (1 - 1 / v) * bottleneck_s
 
@@ -440,7 +440,7 @@ def uniform_shapes(problem: PipelineProblem, mb: int, schedule: Schedule, v: int
 def stack_edges(n: int, k: int, stacks: tuple[tuple[int, int], ...]) -> list[int] | None:
     """The stage edges ``0 = e_0 < ... < e_k = n`` of ``k`` contiguous stages with the shortest
     longest stage among those that cut each scanned stack into equal runs
-    (:func:`~shardplan.solver.pipeline.stack_violations`; one group and sub-mesh size for all
+    (:func:`~shardplan.solver.stages.pipeline.stack_violations`; one group and sub-mesh size for all
     stages), ties to the first found; ``None`` when there are none.
 
     Per choice of the runs per stack (``q`` dividing its rows ``L``: cuts at every ``L / q``
@@ -495,7 +495,7 @@ def _linear(problem: PipelineProblem, types: _Types, schedule: Schedule, total: 
 
     A label whose front stage starts inside a scanned stack (``problem.stacks``) is keyed by
     that stage's group, sub-mesh size and rows of the stack as well: a stage put in front of
-    it must match them (:func:`~shardplan.solver.pipeline.stack_violations`), and labels of
+    it must match them (:func:`~shardplan.solver.stages.pipeline.stack_violations`), and labels of
     different keys are never compared, so the rules keep an optimal plan among the legal
     ones."""
     n, n_groups = len(problem.layers), len(problem.groups)

@@ -3,9 +3,9 @@
 When every layer is the same kind, a stage's figures depend only on its type (group, sub-mesh
 size, remat) and its layer count, so the sums over ``L = 0 .. n`` layers are computed once per
 type (:class:`_Stages`, added one layer at a time as
-:func:`~shardplan.solver.pipeline.evaluate_pipeline` adds them) and a replica is a few runs of
+:func:`~shardplan.solver.stages.pipeline.evaluate_pipeline` adds them) and a replica is a few runs of
 equal stages. :class:`Family` enumerates the uniform shapes the quick plan
-(:mod:`shardplan.solver._quick`) mixes: thousands of them, without building their stages until
+(:mod:`shardplan.solver.stages.quick`) mixes: thousands of them, without building their stages until
 a plan uses them.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from shardplan.solver._shapes import Shape, _Types, shape_timing, stage_cap
-from shardplan.solver.pipeline import PipelineProblem, Schedule, StagePlacement, stage_work
+from shardplan.solver.stages.pipeline import PipelineProblem, Schedule, StagePlacement, stage_work
+from shardplan.solver.stages.shapes import Shape, _Types, shape_timing, stage_cap
 
 __all__ = ["Family"]
 
@@ -24,7 +24,7 @@ NO_LIMIT = 1 << 40
 
 class _Stages:
     """Exact figures of stages of ``L`` identical layers: the sums (added one layer at a time
-    from 0, as :func:`~shardplan.solver.pipeline.evaluate_pipeline` adds them) and the most
+    from 0, as :func:`~shardplan.solver.stages.pipeline.evaluate_pipeline` adds them) and the most
     microbatches in flight that fit (``-1``: not even the state)."""
 
     def __init__(self, problem: PipelineProblem, types: _Types, ti: int) -> None:
@@ -52,7 +52,7 @@ class _Stages:
 
     def cap(self, schedule: Schedule, length: int, i: int, k: int, v: int, total: int,
             memory: float, mb: int) -> int:
-        """:func:`~shardplan.solver._shapes.stage_cap` of a stage of ``length`` layers."""
+        """:func:`~shardplan.solver.stages.shapes.stage_cap` of a stage of ``length`` layers."""
         most = self.most[length]
         if schedule == "gpipe":
             return max(0, min(total, most))
