@@ -20,12 +20,12 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
+import shardplan_models as models
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from shardplan_models.sharding import data_parallel, fsdp, megatron, with_batch
 
-import models
 import shardplan as sp
-from models.sharding import data_parallel, fsdp, megatron, with_batch
 from shardplan.cluster.mesh import LogicalMesh
 from shardplan.cost.memory import estimate_memory
 from shardplan.cost.sharding import analyze_sharding, leaf_specs

@@ -64,8 +64,7 @@ FIELDS = ("forward_s", "backward_s", "state_bytes", "update_s")
 
 
 def _step(reference_batch: int):
-    import models
-
+    import shardplan_models as models
     config = models.load_model_config("gpt3-175b", overrides={"scan_layers": True})
     graphdef, state = models.abstract_train_state(config)
     batch = models.example_batch(config, reference_batch, abstract=True)

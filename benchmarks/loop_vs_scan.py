@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 
 import jax
+import shardplan_models as models
 
-import models
 import shardplan as sp
 
 RESULTS = Path(__file__).resolve().parent / "results" / "loop_vs_scan.json"

@@ -44,8 +44,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import jax
+import shardplan_models as models
 
-import models
 import shardplan as sp
 
 RESULTS = Path(__file__).resolve().parent / "results" / "pipeline_memory.json"

@@ -52,9 +52,9 @@ import flax.linen as nn
 import jax
 import numpy as np
 import optax
+import shardplan_models as models
 from flax.training import train_state
 
-import models
 import shardplan as sp
 from shardplan.runtime.pipeline import PipelinedStep
 

@@ -161,7 +161,8 @@ def _tables(model: str, cluster, cluster_name: str, cache: Path,
         with path.open("rb") as f:
             costs, seconds = pickle.load(f)
         return costs, seconds, True
-    import models
+    import shardplan_models as models
+
     import shardplan as sp
     from shardplan.planner.layer_costs import layer_costs
 

@@ -67,7 +67,8 @@ def _cluster(file: str, keep: tuple[str, ...]):
 def _child(case: str) -> dict:
     import time
 
-    import models
+    import shardplan_models as models
+
     import shardplan as sp
 
     file, keep, _ = CASES[case]
@@ -114,8 +115,8 @@ def _depth_child(spec: str) -> dict:
     import time
 
     import jax
+    import shardplan_models as models
 
-    import models
     import shardplan as sp
 
     blocks, form, what, *wide = spec.split(":")

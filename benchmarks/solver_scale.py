@@ -54,8 +54,7 @@ def _cluster(devices: int):
 
 
 def _step(layers: int, scan: bool):
-    import models
-
+    import shardplan_models as models
     config = models.load_model_config("gpt3-175b",
                                       overrides={"scan_layers": scan, "n_layers": layers})
     graphdef, state = models.abstract_train_state(config)

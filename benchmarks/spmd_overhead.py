@@ -49,10 +49,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import shardplan_models as models
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import models
 import shardplan as sp
 from shardplan.api.auto import signature
 from shardplan.xla import read_compiled

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 import jax
+import shardplan_models as models
 
-import models
 import shardplan as sp
 
 RESULTS = Path(__file__).resolve().parent / "results" / "trace_fidelity.json"

@@ -54,8 +54,8 @@ def _measure(variant: str) -> dict:
     import resource
 
     import jax
+    import shardplan_models as models
 
-    import models
     from shardplan._gc import gc_paused
 
     # `shardplan.trace` the package (its `trace` function shadows the attribute).

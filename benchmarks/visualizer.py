@@ -49,7 +49,8 @@ MAX_RENDER_S = 2.0
 
 
 def _one_stage():
-    import models
+    import shardplan_models as models
+
     import shardplan as sp
 
     config = models.load_model_config("gpt-tiny")
@@ -60,7 +61,8 @@ def _one_stage():
 
 
 def _demo():
-    import models
+    import shardplan_models as models
+
     import shardplan as sp
     from shardplan.data.place import abstract_batch
     from shardplan.train.config import load_run_config
@@ -73,10 +75,10 @@ def _demo():
 
 
 def _gpt3():
+    import shardplan_models as models
     from plan_scale import BATCH, _cluster
     from plan_scale import CASES as SCALE_CASES
 
-    import models
     import shardplan as sp
 
     file, keep, _ = SCALE_CASES["768"]

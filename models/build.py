@@ -5,7 +5,7 @@
 ``jax.ShapeDtypeStruct`` leaves and never allocates, so a 175B model is planned on a laptop.
 
 Example:
-    >>> from models.config import load_model_config
+    >>> from shardplan_models.config import load_model_config
     >>> graphdef, state = abstract_state(load_model_config("gpt3-175b"))
     >>> count_params(state) == load_model_config("gpt3-175b").num_params()
     True
@@ -18,11 +18,10 @@ from collections.abc import Callable
 
 import jax
 from flax import nnx
-
-from models.config import GPTConfig, LlamaConfig, ModelConfig, MoEConfig
-from models.gpt import GPT
-from models.llama import Llama
-from models.moe import MoE
+from shardplan_models.config import GPTConfig, LlamaConfig, ModelConfig, MoEConfig
+from shardplan_models.gpt import GPT
+from shardplan_models.llama import Llama
+from shardplan_models.moe import MoE
 
 __all__ = ["MODEL_CLASSES", "abstract_rngs", "abstract_state", "build_model", "count_params"]
 
@@ -38,18 +37,18 @@ def build_model(config: ModelConfig, /, *, rngs: nnx.Rngs) -> nnx.Module:
     """Builds and initialises the model a config describes.
 
     Args:
-      config: a :class:`~models.config.GPTConfig`, :class:`~models.config.LlamaConfig` or
-        :class:`~models.config.MoEConfig`.
+      config: a :class:`~shardplan_models.config.GPTConfig`, :class:`~shardplan_models.config.LlamaConfig` or
+        :class:`~shardplan_models.config.MoEConfig`.
       rngs: random streams for initialisation.
 
     Returns:
-      A :class:`~models.gpt.GPT`, :class:`~models.llama.Llama` or :class:`~models.moe.MoE`.
+      A :class:`~shardplan_models.gpt.GPT`, :class:`~shardplan_models.llama.Llama` or :class:`~shardplan_models.moe.MoE`.
 
     Raises:
       TypeError: ``config`` is not one of the config classes.
 
     Example:
-      >>> from models.config import load_model_config
+      >>> from shardplan_models.config import load_model_config
       >>> type(build_model(load_model_config("llama-tiny"), rngs=nnx.Rngs(0))).__name__
       'Llama'
     """
@@ -101,7 +100,7 @@ def count_params(state: nnx.State | nnx.Module, /) -> int:
     Works on real arrays and on ``jax.ShapeDtypeStruct`` leaves alike.
 
     Example:
-      >>> from models.config import load_model_config
+      >>> from shardplan_models.config import load_model_config
       >>> count_params(build_model(load_model_config("gpt-tiny"), rngs=nnx.Rngs(0)))
       118528
     """

@@ -8,7 +8,7 @@ model needs no allocation at all.
 
 Presets live in ``configs/models/<name>.yaml`` and carry a ``model: gpt|llama|moe`` discriminator:
 
-    >>> from models.config import load_model_config
+    >>> from shardplan_models.config import load_model_config
     >>> config = load_model_config("gpt-tiny", overrides={"n_layers": 4})
     >>> config.model, config.n_layers
     ('gpt', 4)
@@ -51,10 +51,10 @@ DTYPE_NAMES: tuple[str, ...] = ("float32", "bfloat16")
 
 ATTENTION_IMPLS: tuple[str, ...] = ("xla", "pallas", "cudnn")
 """The values :class:`ModelConfig` accepts for ``attention_impl`` (see
-:func:`models.common.attention`)."""
+:func:`shardplan_models.common.attention`)."""
 
 MOE_IMPLS: tuple[str, ...] = ("dense", "ragged", "pallas")
-"""The values :class:`MoEConfig` accepts for ``moe_impl`` (see :class:`models.moe.MoEMLP`)."""
+"""The values :class:`MoEConfig` accepts for ``moe_impl`` (see :class:`shardplan_models.moe.MoEMLP`)."""
 
 PRESETS_DIR: Path = Path(__file__).resolve().parent.parent / "configs" / "models"
 """Where preset YAML files live: ``<repo root>/configs/models``."""
@@ -369,7 +369,7 @@ def expert_capacity(
 ) -> int:
     """Token slots per expert: ``ceil(capacity_factor * tokens * top_k / n_experts)``.
 
-    ``tokens`` is the size of a routing group (a sequence, in :class:`models.moe.MoEMLP`). The
+    ``tokens`` is the size of a routing group (a sequence, in :class:`shardplan_models.moe.MoEMLP`). The
     result is clipped to ``[1, tokens_per_group]``: an expert never receives the same token
     twice, so more slots than tokens would stay empty.
 

@@ -8,7 +8,7 @@ head tied to ``wte`` or an untied ``lm_head``. Follows Radford et al. 2019 (GPT-
 Example:
     >>> from flax import nnx
     >>> import jax.numpy as jnp
-    >>> from models.config import load_model_config
+    >>> from shardplan_models.config import load_model_config
     >>> model = GPT(load_model_config("gpt-tiny"), rngs=nnx.Rngs(0))
     >>> logits, aux = model(jnp.zeros((2, 16), jnp.int32))
     >>> logits.shape, float(aux)
@@ -20,8 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-
-from models.common import (
+from shardplan_models.common import (
     INIT_STD,
     CausalSelfAttention,
     GeluMLP,
@@ -29,7 +28,7 @@ from models.common import (
     run_blocks,
     to_dtype,
 )
-from models.config import GPTConfig
+from shardplan_models.config import GPTConfig
 
 __all__ = ["GPT", "GPTBlock"]
 

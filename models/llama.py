@@ -8,7 +8,7 @@ key/value heads, repeated to ``n_heads``) and a SwiGLU MLP (``gate``, ``up``, ``
 Example:
     >>> from flax import nnx
     >>> import jax.numpy as jnp
-    >>> from models.config import load_model_config
+    >>> from shardplan_models.config import load_model_config
     >>> model = Llama(load_model_config("llama-tiny"), rngs=nnx.Rngs(0))
     >>> model(jnp.zeros((2, 16), jnp.int32))[0].shape
     (2, 16, 256)
@@ -22,8 +22,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 from flax import nnx
-
-from models.common import (
+from shardplan_models.common import (
     INIT_STD,
     CausalSelfAttention,
     SwiGLU,
@@ -32,7 +31,7 @@ from models.common import (
     run_blocks,
     to_dtype,
 )
-from models.config import LlamaConfig
+from shardplan_models.config import LlamaConfig
 
 __all__ = ["Llama", "LlamaBlock", "llama_attention", "rms_norm"]
 
@@ -90,7 +89,7 @@ class Llama(nnx.Module):
     """A Llama decoder: ``tokens int32[batch, seq] -> (logits [batch, seq, vocab], aux_loss=0)``.
 
     The auxiliary loss is the mean of the blocks' auxiliary losses: 0 here, the load-balancing
-    loss for :class:`models.moe.MoE`, which only swaps :attr:`block_type`.
+    loss for :class:`shardplan_models.moe.MoE`, which only swaps :attr:`block_type`.
 
     Args:
       config: sizes and options; ``config.scan_layers`` picks a list of blocks or one stacked

@@ -18,7 +18,7 @@ drop the same tokens and give the same outputs.
 Example:
     >>> from flax import nnx
     >>> import jax.numpy as jnp
-    >>> from models.config import load_model_config
+    >>> from shardplan_models.config import load_model_config
     >>> model = MoE(load_model_config("moe-tiny"), rngs=nnx.Rngs(0))
     >>> logits, aux = model(jnp.zeros((2, 16), jnp.int32))
     >>> logits.shape, aux.shape
@@ -33,10 +33,10 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from shardplan_models.common import INIT_STD, residual_init, to_dtype
+from shardplan_models.config import MOE_IMPLS, MoEConfig, expert_capacity
+from shardplan_models.llama import Llama, llama_attention, rms_norm
 
-from models.common import INIT_STD, residual_init, to_dtype
-from models.config import MOE_IMPLS, MoEConfig, expert_capacity
-from models.llama import Llama, llama_attention, rms_norm
 from shardplan.errors import ConfigError, format_error
 from shardplan.kernels.grouped_matmul import grouped_matmul
 
@@ -269,7 +269,7 @@ class MoEBlock(nnx.Module):
 class MoE(Llama):
     """A Mixtral-style decoder: ``tokens -> (logits [batch, seq, vocab], aux_loss)``.
 
-    The same embedding, norms, rotary attention and head as :class:`~models.llama.Llama`, with
+    The same embedding, norms, rotary attention and head as :class:`~shardplan_models.llama.Llama`, with
     :class:`MoEBlock` blocks. ``aux_loss`` is the mean of the layers' load-balancing losses (1.0
     for perfectly balanced routing); the training loss adds ``config.aux_loss_coef`` times it.
     """

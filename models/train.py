@@ -6,7 +6,7 @@ planner never imports it; tests and demos do.
 
 Example:
     >>> import jax
-    >>> from models.config import load_model_config
+    >>> from shardplan_models.config import load_model_config
     >>> config = load_model_config("gpt-tiny")
     >>> graphdef, state = init_train_state(config, seed=0)
     >>> train_step = jax.jit(make_train_step(graphdef))
@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from shardplan_models.build import abstract_rngs, build_model
+from shardplan_models.config import ModelConfig
 
-from models.build import abstract_rngs, build_model
-from models.config import ModelConfig
 from shardplan.errors import ConfigError, format_error
 
 __all__ = [
@@ -145,7 +145,7 @@ def abstract_train_state(
     Traces the construction with ``nnx.eval_shape``, so it takes seconds even for GPT-3 175B.
 
     Example:
-      >>> from models.config import load_model_config
+      >>> from shardplan_models.config import load_model_config
       >>> graphdef, state = abstract_train_state(load_model_config("gpt3-175b"))
     """
 
@@ -221,7 +221,7 @@ def example_batch(
       ConfigError: ``batch_size`` < 1 or ``seq_len`` outside ``[1, config.max_seq_len]``.
 
     Example:
-      >>> from models.config import load_model_config
+      >>> from shardplan_models.config import load_model_config
       >>> example_batch(load_model_config("gpt-tiny"), 2, seq_len=8)["inputs"].shape
       (2, 8)
     """

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import shardplan_models as models
 
-import models
 from shardplan.errors import ConfigError, PipelineError
 from shardplan.runtime.accumulate import microbatched, reduction_kinds, split_step
 

@@ -15,12 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import shardplan_models as models
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from sigkill import kill_while_saving
 
-import models
 from shardplan.errors import CheckpointError, ConfigError
 from shardplan.train.checkpoint import Checkpointer, abstract_target, leaf_infos
 

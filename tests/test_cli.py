@@ -38,7 +38,7 @@ def test_trace_command_traces_a_step_factory_from_a_file(
     assert out.startswith(f"step {EXAMPLE}: 165,760 parameters; batch 8 samples; jax ")
     assert "blocks.0 .. blocks.3 (x4)" in out and "1 distinct fingerprint" in out
     # The same factory named as a module.
-    assert main(["trace", "models.example_step:make_step"]) == 0
+    assert main(["trace", "shardplan_models.example_step:make_step"]) == 0
     assert "blocks.0 .. blocks.3 (x4)" in capsys.readouterr().out
 
 

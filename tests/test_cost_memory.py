@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import optax
 import pytest
+import shardplan_models as models
 from flax import nnx
 
-import models
 import shardplan as sp
 from shardplan.cost.memory import (
     YNN_MIN_ELEMENTS,
@@ -112,20 +112,20 @@ def _apply_remat(monkeypatch: pytest.MonkeyPatch, policy: str, wrap) -> None:
     """Applies a remat policy to the reference GPT: ``selective`` wraps the attention core
     (``causal_attention``: the scores, mask, softmax and the product with v), ``full`` the
     whole block."""
-    import models.common
-    import models.gpt
+    import shardplan_models.common as model_common
+    import shardplan_models.gpt as model_gpt
 
     if policy == "selective":
-        monkeypatch.setattr(models.common, "causal_attention",
-                            wrap(models.common.causal_attention))
+        monkeypatch.setattr(model_common, "causal_attention",
+                            wrap(model_common.causal_attention))
     elif policy == "full":
-        call = models.gpt.GPTBlock.__call__
+        call = model_gpt.GPTBlock.__call__
 
         def block(self, x, *rest):
             graphdef, params = nnx.split(self)
             return wrap(lambda p, h: call(nnx.merge(graphdef, p), h, *rest))(params, x)
 
-        monkeypatch.setattr(models.gpt.GPTBlock, "__call__", block)
+        monkeypatch.setattr(model_gpt.GPTBlock, "__call__", block)
 
 
 def _saved_per_sample(overrides: dict, batch: int) -> dict[str, float]:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import jax
 import pytest
+import shardplan_models as models
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from shardplan_models.sharding import data_parallel, fsdp, megatron, with_batch
 
-import models
 import shardplan as sp
-from models.sharding import data_parallel, fsdp, megatron, with_batch
 from shardplan.cluster.mesh import LogicalMesh
 from shardplan.cost.memory import estimate_memory
 from shardplan.cost.rules import op_rule

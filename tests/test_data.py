@@ -338,9 +338,8 @@ def test_place_batch_shards_rows_like_device_put():
 def test_gpt_tiny_loss_on_the_builtin_corpus_is_finite():
     import optax
     from flax import nnx
-
-    from models.build import build_model
-    from models.config import load_model_config
+    from shardplan_models.build import build_model
+    from shardplan_models.config import load_model_config
 
     config = load_model_config("gpt-tiny")
     data = load_data(DataConfig(seq_len=config.max_seq_len, batch_size=4,

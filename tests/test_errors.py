@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import shardplan_models as models
 from test_planner_intraop import mlp_step
 
-import models
 import shardplan as sp
 from shardplan.cost.rules import op_rule
 from shardplan.planner.multi import _warn_gap

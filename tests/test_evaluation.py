@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+import shardplan_models as models
 from test_pipeline_runtime import _pipeline
 from test_replica_sync import _param_bytes
 
-import models
 import shardplan as sp
 from shardplan.train.loop import _eval_metrics, _forward
 

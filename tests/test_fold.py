@@ -7,9 +7,9 @@ import math
 import re
 
 import pytest
+import shardplan_models as models
 from test_layout import CLUSTER
 
-import models
 import shardplan as sp
 from shardplan.planner.fold import fold_blocks
 from shardplan.planner.intraop import build_intraop_problem

@@ -150,8 +150,7 @@ def test_the_plan_splits_the_kernel_only_on_batch_and_heads_and_runs_it_split(
 ])
 def test_tiny_models_on_the_pallas_paths_split_kernels_legally_and_equal_unsharded(
         preset, overrides) -> None:
-    import models
-
+    import shardplan_models as models
     config = models.load_model_config(preset, overrides=overrides)
     graphdef, state = models.init_train_state(config, seed=0)
     step = models.make_train_step(graphdef)
@@ -191,8 +190,7 @@ def test_a_kernel_inside_a_scanned_stack_runs_split_in_the_loop(monkeypatch) -> 
     # forward and backward scans' bodies. The plan pins them there (their paths extend the
     # scan's), the runtime rebuilds each scan around its evaluated body and runs the calls in
     # shard_map with the plan's specs: one manual computation per call in the lowered step.
-    import models
-
+    import shardplan_models as models
     config = models.load_model_config("llama-tiny", overrides={"attention_impl": "pallas",
                                                                "scan_layers": True})
     graphdef, state = models.init_train_state(config, seed=0)
@@ -218,10 +216,8 @@ def test_a_kernel_inside_a_scanned_stack_runs_split_in_the_loop(monkeypatch) -> 
 def test_a_pipeline_plans_layouts_carry_their_kernel_calls_specs() -> None:
     # The stage planner's layouts hold the specs of every kernel call (decoded from each
     # layout's intra-op solution): the stages' programs run the calls under them.
+    import shardplan_models as models
     from test_pipeline_runtime import _budget_planned
-
-    import models
-
     config, state, step, plan, _ = _budget_planned("llama-tiny", 16, 0.6, attention_impl="pallas",
                                                    scan_layers=True)
     assert len(plan.stages) > 1 and plan.layouts

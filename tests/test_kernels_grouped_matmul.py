@@ -13,13 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import shardplan_models as models
 from flax import nnx
 from jax.extend import core as jcore
+from shardplan_models.config import expert_capacity
+from shardplan_models.moe import MoEMLP
 
-import models
 import shardplan.kernels
-from models.config import expert_capacity
-from models.moe import MoEMLP
 from shardplan.errors import ConfigError
 
 # The function, from its module: mypy resolves `shardplan.kernels.grouped_matmul` to the module

@@ -4,8 +4,8 @@ sub-mesh size, read back per layer kind."""
 from __future__ import annotations
 
 import pytest
+import shardplan_models as models
 
-import models
 import shardplan as sp
 from shardplan.planner.layer_costs import layer_costs, submesh_sizes
 

@@ -11,6 +11,7 @@ and ``sp.auto``, which join the planner and the runtime, live in ``api/`` above 
 from __future__ import annotations
 
 import ast
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -111,3 +112,26 @@ def test_the_planner_and_the_runtime_do_not_import_each_other() -> None:
     graph = package_graph()
     assert "runtime" not in graph["planner"] and "planner" not in graph["runtime"]
     assert {"planner", "runtime"} <= graph["api"]
+
+
+def test_the_wheel_lists_every_package_and_installs_the_models_under_a_qualified_name() -> None:
+    """``pyproject.toml`` names its packages (the models folder maps to ``shardplan_models``):
+    the list must name every package under ``shardplan/``, and none is called ``models``."""
+    config = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
+    on_disk = {_module_name(p.parent / "__init__.py") for p in ROOT.rglob("__init__.py")}
+    assert set(config["packages"]) == on_disk | {"shardplan_models"}
+    assert config["package-dir"] == {"shardplan_models": "models"}
+
+
+def test_nothing_imports_the_models_folder_by_its_bare_name() -> None:
+    """A user project's own ``models`` package must not be shadowed or shadow ours."""
+    found = []
+    for folder in ("shardplan", "models", "tests", "benchmarks"):
+        for path in sorted((ROOT.parent / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [node.module or ""] if isinstance(node, ast.ImportFrom)
+                         and not node.level else [])
+                found += [f"{path.relative_to(ROOT.parent)}:{node.lineno}" for name in names
+                          if name == "models" or name.startswith("models.")]
+    assert not found, f"imports of the bare name `models`: {found}"

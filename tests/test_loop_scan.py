@@ -15,8 +15,8 @@ import re
 
 import jax
 import pytest
+import shardplan_models as models
 
-import models
 import shardplan as sp
 
 BATCH = 16

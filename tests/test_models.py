@@ -24,13 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import shardplan_models as models
 from flax import nnx
+from shardplan_models.common import apply_rope, causal_attention, rope_tables
+from shardplan_models.config import PRESETS_DIR
+from shardplan_models.moe import MoEMLP, expert_capacity, load_balancing_loss
+from shardplan_models.train import default_decay_mask
 
-import models
-from models.common import apply_rope, causal_attention, rope_tables
-from models.config import PRESETS_DIR
-from models.moe import MoEMLP, expert_capacity, load_balancing_loss
-from models.train import default_decay_mask
 from shardplan.errors import ConfigError
 
 TINY_PRESETS = ("gpt-tiny", "gpt-tiny-scan", "llama-tiny", "moe-tiny")

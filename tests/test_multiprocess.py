@@ -14,8 +14,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+import shardplan_models as models
 
-import models
 from shardplan.errors import ConfigError
 from shardplan.runtime.distributed import launch
 

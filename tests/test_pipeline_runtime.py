@@ -9,8 +9,8 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+import shardplan_models as models
 
-import models
 import shardplan as sp
 from shardplan.errors import PipelineError, ShardplanWarning
 from shardplan.plan.plan import Layout, MeshSpec, ReplicaSpec, Stage

@@ -12,8 +12,8 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+import shardplan_models as models
 
-import models
 import shardplan as sp
 from shardplan.xla import read_compiled
 

@@ -13,11 +13,11 @@ from collections import Counter
 
 import jax
 import pytest
+import shardplan_models as models
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_planner_intraop import mlp_step
 
-import models
 import shardplan as sp
 from shardplan.xla import read_compiled
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+import shardplan_models as models
 from test_pipeline_runtime import _budget_planned, _pipeline, _three_steps
 
-import models
 import shardplan as sp
 
 

@@ -19,10 +19,10 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from shardplan_models.config import load_model_config
 from test_planner_intraop import mlp_step
 
 import shardplan as sp
-from models.config import load_model_config
 from shardplan.train._lock import LOCK_FILE, RunLock
 from shardplan.train.checkpoint import Checkpointer
 from shardplan.train.config import load_run_config

@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import shardplan_models as models
 from jax.extend import core as jcore
 from test_pipeline_runtime import _budget_planned, _pipeline, _planned_for, _three_steps
 
-import models
 import shardplan as sp
 from shardplan.runtime.rows import split_rows
 from shardplan.runtime.spmd import state_shardings

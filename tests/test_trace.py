@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import shardplan_models as models
 from flax import nnx
 from flax.training import train_state
 
-import models
 import shardplan as sp
 from shardplan.trace.api import module_path
 

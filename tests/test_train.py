@@ -175,7 +175,8 @@ def test_two_processes_run_the_demo_config_as_the_unsharded_step(tmp_path) -> No
     # the demo's 5-stage plan over 2 processes x 4 CPU devices (the embedding's stage on the
     # second, the blocks' on the first). Process 0 logs the losses, which equal the unsharded
     # step's, and the checkpoint both processes wrote loads in this one process.
-    import models
+    import shardplan_models as models
+
     from shardplan.data import load_data
     from shardplan.train.checkpoint import Checkpointer, abstract_target
 
@@ -220,7 +221,8 @@ def test_evaluation_runs_through_a_plan_of_four_quarter_stages(tmp_path) -> None
     # forward on the stages' devices (nothing gathered), its loss equal to the unsharded
     # forward's within 1e-5; beside each evaluation program a device holds its stage's state
     # and nothing more; and sampling runs on the plan's CPU devices, saying why.
-    import models
+    import shardplan_models as models
+
     from shardplan.data import abstract_batch, load_data
     from shardplan.plan.plan import Layout, MeshSpec, ReplicaSpec, Stage
     from shardplan.train.loop import _eval_metrics, _forward

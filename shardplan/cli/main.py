@@ -102,8 +102,7 @@ def _build_step(config: TraceConfig) -> _Step:
             where="the model argument", value=config.model,
             remedy=f"{config.model}:make_step (a function with no arguments that returns "
                    f"{STEP_SHAPE}); or a model preset or model YAML"))
-    import models
-
+    import shardplan_models as models
     overrides = {} if config.scan_layers is None else {"scan_layers": config.scan_layers}
     model_config = models.load_model_config(config.model, overrides=overrides)
     if config.abstract:

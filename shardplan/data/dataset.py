@@ -41,7 +41,7 @@ __all__ = ["Batch", "Dataset", "load_data"]
 
 Batch = dict[str, np.ndarray]
 """``{"inputs": int32[batch, seq], "targets": int32[batch, seq]}``, as the models' train step
-takes it (``models.train.example_batch``)."""
+takes it (``shardplan_models.train.example_batch``)."""
 
 _TRAIN_STREAM = 0x5EED_DA7A
 """Mixed into the shuffling seed, so ``DataConfig.seed`` can equal the parameter seed without

@@ -28,9 +28,9 @@ from typing import Any
 
 import optax
 import yaml
+from shardplan_models.config import ModelConfig, load_model_config
+from shardplan_models.train import make_optimizer
 
-from models.config import ModelConfig, load_model_config
-from models.train import make_optimizer
 from shardplan.cluster import Cluster
 from shardplan.data import BYTE_VOCAB_SIZE, DataConfig
 from shardplan.errors import ConfigError
@@ -73,7 +73,7 @@ class ModelSection:
       preset: a name in ``configs/models/`` (``"gpt-tiny"``) or a path to a model YAML file
         (relative to the working directory).
       overrides: model config fields replacing the preset's, e.g. ``{"n_layers": 4}``; checked
-        by the model config loader (:func:`models.config.load_model_config`).
+        by the model config loader (:func:`shardplan_models.config.load_model_config`).
     """
 
     preset: str
@@ -190,7 +190,7 @@ class OptimizerConfig:
         )
 
     def build(self, steps: int, /) -> optax.GradientTransformation:
-        """Clipping + AdamW (:func:`models.train.make_optimizer`, its decay mask) on
+        """Clipping + AdamW (:func:`shardplan_models.train.make_optimizer`, its decay mask) on
         :meth:`schedule` ``(steps)``."""
         return make_optimizer(
             self.schedule(steps),

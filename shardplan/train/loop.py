@@ -31,10 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import shardplan_models as models
 from flax import nnx
 from jax.extend.core import Var
 
-import models
 from shardplan.api.planning import check_plan, make_plan
 from shardplan.cluster import Cluster
 from shardplan.data import Dataset, abstract_batch, load_data

@@ -19,9 +19,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import shardplan_models as models  # noqa: E402
 from test_pipeline_runtime import _pipeline, _planned  # noqa: E402
-
-import models  # noqa: E402
 
 
 def main(out: str, steps: int) -> None:
