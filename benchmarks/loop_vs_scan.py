@@ -1,7 +1,7 @@
 """The same GPT written as a Python loop and as an ``nnx.scan``: measured and predicted step time.
 
 Issue 20 asks loop and scan plans to agree, predicted step time included. They agree on the
-plan (``tests/test_loop_scan.py``: the same mesh or stage split and the same specs), but XLA
+plan (``tests/planner/test_loop_scan.py``: the same mesh or stage split and the same specs), but XLA
 does not compile the two into the same program: a scan's backward loop reads residuals the
 forward loop stacked (dynamic-update-slice writes, dynamic-slice reads) and XLA fuses no value
 across the loop boundary, so the scan moves more bytes and runs slower. This script measures

@@ -59,7 +59,7 @@ import shardplan as sp
 from shardplan.runtime.pipeline import PipelinedStep
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from test_pipeline_runtime import _pipeline  # the tests' hand-made plans
+from helpers.pipelines import staged_plan  # the tests' hand-made plans
 
 RESULTS = Path(__file__).resolve().parent / "results" / "pipeline_overhead.json"
 
@@ -126,7 +126,7 @@ def executor_overhead(repeats: int) -> dict[str, Any]:
         times = {}
         for m in (8, 32):
             step, state, batch = mlp_case(m)
-            plan = _pipeline(bases[m], [[("a100-80g", (p,), names) for p, names in
+            plan = staged_plan(bases[m], [[("a100-80g", (p,), names) for p, names in
                                      enumerate(layers)]], 1, [m])
             times[m] = _median_step(sp.apply_plan(step, plan), state, batch, repeats)
         per = (times[32] - times[8]) / (24 * k)
@@ -195,10 +195,9 @@ def time_plan(path: Path, repeats: int) -> dict[str, Any]:
 
 def _replica_cases() -> dict[str, Any]:
     """The two plans of measurement 3 and what the planner prices for each."""
-    from test_pipeline_runtime import _budget_planned
-    from test_replica_sync import _priced_exchange
+    from helpers.pipelines import budget_planned, priced_exchange
 
-    config, state, step, plan, _ = _budget_planned("llama-tiny", 16, 0.6)
+    config, state, step, plan, _ = budget_planned("llama-tiny", 16, 0.6)
     assert len(plan.replicas) == 2 and len(plan.stages) == 4, plan.summary()
     cluster = sp.Cluster.local(types={"a100-80g": 4, "v100-32g": 4})
     batch = models.example_batch(config, 16, seed=0)
@@ -208,8 +207,8 @@ def _replica_cases() -> dict[str, Any]:
                ("v100-32g", (5,), ("blocks.3", "post"))]]
     one = sp.make_plan(step, jax.eval_shape(lambda: state), jax.eval_shape(lambda: batch),
                        cluster=cluster, config=sp.PlanConfig(max_stages=1))
-    differ = _pipeline(one, groups, 1, [10, 6])
-    priced = _priced_exchange(step, state, batch, cluster, groups, [10, 6], 1)
+    differ = staged_plan(one, groups, 1, [10, 6])
+    priced = priced_exchange(step, state, batch, cluster, groups, [10, 6], 1)
     boundary = config.max_seq_len * config.d_model * 4  # one sample's activation, fp32
     return {
         "identical": (plan, {"transfer_bytes": plan.solver["transfer_bytes"],

@@ -7,8 +7,9 @@ The public API is re-exported here; see ``docs/architecture.md`` for the pipelin
 from shardplan import kernels as kernels
 from shardplan._version import __version__ as __version__
 from shardplan.api.auto import auto as auto
-from shardplan.api.planning import check_plan as check_plan
-from shardplan.api.planning import make_plan as make_plan
+from shardplan.api.wiring import apply_plan as apply_plan
+from shardplan.api.wiring import check_plan as check_plan
+from shardplan.api.wiring import make_plan as make_plan
 from shardplan.cluster import Cluster as Cluster
 from shardplan.cluster import DeviceGroup as DeviceGroup
 from shardplan.cluster import DeviceSpec as DeviceSpec
@@ -31,10 +32,11 @@ from shardplan.plan.diff import PlanDiff as PlanDiff
 from shardplan.plan.diff import diff as diff
 from shardplan.planner.config import PlanConfig as PlanConfig
 from shardplan.runtime.distributed import initialize_distributed as initialize_distributed
-from shardplan.runtime.spmd import apply_plan as apply_plan
 from shardplan.trace import OpGraph as OpGraph
 from shardplan.trace import trace as trace
-from shardplan.viz import html as _viz_html  # noqa: F401  (registers the views Plan.to_html renders)
+from shardplan.viz import explain as _viz_explain  # noqa: F401  (registers Plan.explain's view)
+from shardplan.viz import html as _viz_html  # noqa: F401  (registers Plan.to_html's views)
+from shardplan.viz import report as _viz_report  # noqa: F401  (registers Plan.report's view)
 from shardplan.viz.array import visualize as visualize
 
 __all__ = [

@@ -52,15 +52,21 @@ def format_error(what: str, *, where: str | None = None, value: object = None,
     return "\n".join(lines)
 
 
-def did_you_mean(word: str, choices: Iterable[str]) -> str:
+def did_you_mean(word: str, choices: Iterable[str], *, n: int = 1, cutoff: float = 0.6) -> str:
     """``"did you mean 'x'? "`` for the choice closest to ``word`` (``difflib``), else ``""``.
+
+    Args:
+      word: what the user wrote.
+      choices: what they may write.
+      n: suggest up to this many choices, closest first (``"did you mean 'x' or 'y'? "``).
+      cutoff: how close a choice must be (``difflib.get_close_matches``' ratio, 0 to 1).
 
     Example:
       >>> did_you_mean("time_limit", ["time_limit_s", "max_stages"])
       "did you mean 'time_limit_s'? "
     """
-    close = difflib.get_close_matches(word, list(choices), n=1)
-    return f"did you mean {close[0]!r}? " if close else ""
+    close = difflib.get_close_matches(word, list(choices), n=n, cutoff=cutoff)
+    return f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
 
 
 def unknown_key(key: object, known: Iterable[str], where: str, *,

@@ -95,6 +95,21 @@ def circles(graph: dict[str, set[str]]) -> list[set[str]]:
     return found
 
 
+LAYERS: tuple[tuple[str, ...], ...] = (
+    # the bottom: the standard library (and each other) only
+    ("errors", "_files", "_schema", "_format", "_version", "_traceback", "_gc"),
+    ("xla", "kernels", "solver", "data"),
+    ("cluster", "trace"),
+    ("cost", "plan"),
+    ("planner", "runtime", "viz"),
+    ("api",),  # make_plan, check_plan, apply_plan, auto: where the planner meets the runtime
+    ("train",),
+    ("cli",),
+)
+"""shardplan's layers, lowest first (docs/architecture.md draws them): a package imports only
+from layers below its own."""
+
+
 def test_the_graph_reader_finds_imports_inside_functions_and_relative_ones() -> None:
     graph = package_graph()
     assert "viz" in graph["cli"]  # cli/main.py imports viz.terminal inside show_main
@@ -135,3 +150,13 @@ def test_nothing_imports_the_models_folder_by_its_bare_name() -> None:
                 found += [f"{path.relative_to(ROOT.parent)}:{node.lineno}" for name in names
                           if name == "models" or name.startswith("models.")]
     assert not found, f"imports of the bare name `models`: {found}"
+
+
+def test_each_package_imports_only_from_the_layers_below_it() -> None:
+    layer = {name: i for i, names in enumerate(LAYERS) for name in names}
+    graph = package_graph()
+    assert set(graph) <= set(layer), f"place {sorted(set(graph) - set(layer))} in LAYERS"
+    upward = [f"{a} (layer {layer[a]}) imports {b} (layer {layer[b]})"
+              for a, targets in sorted(graph.items()) for b in sorted(targets)
+              if layer[b] >= layer[a] and not layer[a] == layer[b] == 0]
+    assert not upward, "imports that do not go down a layer: " + "; ".join(upward)

@@ -3,9 +3,9 @@
 The signature of a call is the pytree structure of ``(state, batch)`` and, per leaf, its shape,
 dtype and weak type (what ``jax.jit`` keys its own cache on, minus shardings: the planned step
 places its inputs itself). The first call with a new signature plans with
-:func:`~shardplan.api.planning.make_plan` on ``jax.ShapeDtypeStruct`` stand-ins of the
+:func:`~shardplan.api.wiring.make_plan` on ``jax.ShapeDtypeStruct`` stand-ins of the
 arguments (planning never sees the real arrays), binds the plan with
-:func:`~shardplan.runtime.spmd.apply_plan` and keeps the bound step; later calls with that
+:func:`~shardplan.api.wiring.apply_plan` and keeps the bound step; later calls with that
 signature go straight to it, so nothing is planned or traced again.
 
 Plans are also kept on disk, one JSON file per (graph fingerprint, cluster hash, config hash,
@@ -30,7 +30,7 @@ from typing import Any, overload
 import jax
 
 from shardplan._version import __version__
-from shardplan.api.planning import make_plan
+from shardplan.api.wiring import apply_plan, make_plan
 from shardplan.cluster import Cluster
 from shardplan.errors import (
     ConfigError,
@@ -48,7 +48,7 @@ from shardplan.planner.single import (
     graph_fingerprint,
     step_fingerprint,
 )
-from shardplan.runtime.spmd import Step, apply_plan
+from shardplan.runtime.spmd import Step
 from shardplan.trace import trace
 
 __all__ = ["AutoStep", "Signature", "auto", "default_cache_dir", "signature"]
@@ -315,7 +315,7 @@ def auto(fn: Callable[..., Any] | None = None, /, *, cluster: Cluster | None = N
     """Plans ``fn`` on its first call per input signature, caches the planned step, runs it.
 
     Each new signature (tree structure, shapes, dtypes and weak types of ``(state, batch)``)
-    costs one :func:`~shardplan.api.planning.make_plan` on ``jax.ShapeDtypeStruct`` stand-ins
+    costs one :func:`~shardplan.api.wiring.make_plan` on ``jax.ShapeDtypeStruct`` stand-ins
     and one compile; calls with a signature seen before reuse the planned step as is. The state
     is placed per the plan on each call (a no-op once the step's own output is fed back).
 

@@ -160,7 +160,7 @@ def plan_main(config: PlanCommandConfig) -> int:
     """Plans the step ``config.target`` names on the cluster and prints the plan's summary."""
     import jax
 
-    from shardplan.api.planning import make_plan
+    from shardplan.api.wiring import make_plan
 
     cluster = _plan_cluster(config)
     step = _build_step(config.target)

@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from shardplan.cluster._schema import Where, as_int, as_mapping, as_str, check_keys, fail
+from shardplan._schema import Where
+from shardplan.cluster._schema import as_int, as_mapping, as_str, check_keys, fail
 from shardplan.cluster.catalog import catalog_name_for_kind, catalog_names, load_device
 from shardplan.cluster.group import LINK_HINT, DeviceGroup, GroupLink, check_device_count
 from shardplan.cluster.link import parse_link

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from shardplan.cluster._schema import Where, warn
+from shardplan._schema import Where, warn
 
 __all__ = [
     "DEVICE_MEMORY_BYTES",
@@ -81,7 +81,7 @@ LINK_LATENCY_US = PlausibleRange(
     unit="µs",
     # Low: 1 ns is one clock cycle at 1 GHz and ~20 cm of signal travel; a message between two
     # chips takes longer (NVLink ~1-2 µs per NCCL step, InfiniBand ~1-5 µs). Tests that want a
-    # negligible latency write 0.001 (tests/test_planner_cases.py) or 0, both accepted.
+    # negligible latency write 0.001 (tests/planner/test_planner_cases.py) or 0, both accepted.
     # High: 1 s is several times a round trip around the Earth in fibre (~0.2 s).
     low=0.001,
     high=1e6,
@@ -112,7 +112,7 @@ DEVICE_MEMORY_BYTES = PlausibleRange(
     # values below 1,000 for every device built so far (the largest HBM is 288 GB, MI355X, 2025).
     # Real accelerators have far more than 1 kB (Groq LPU 230 MB SRAM, H200 141 GB), but tests
     # model deliberately tiny devices of a few kB to make layers not fit
-    # (tests/test_layer_costs.py: 1,706 bytes), so the bound is not set higher.
+    # (tests/planner/test_layer_costs.py: 1,706 bytes), so the bound is not set higher.
     # High: 100 TB is far above any device's memory (a CPU host has a few TB).
     low=1e3,
     high=1e14,

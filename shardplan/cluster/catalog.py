@@ -29,13 +29,13 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from shardplan._schema import Where
 from shardplan.cluster._ranges import (
     DEVICE_MEMORY_BYTES,
     HBM_BANDWIDTH_BYTES_PER_S,
@@ -43,7 +43,6 @@ from shardplan.cluster._ranges import (
     check_plausible,
 )
 from shardplan.cluster._schema import (
-    Where,
     as_float,
     as_int,
     as_mapping,
@@ -60,7 +59,7 @@ from shardplan.cluster.device import (
     canonical_dtype,
 )
 from shardplan.cluster.link import Link, parse_link
-from shardplan.errors import ClusterError
+from shardplan.errors import ClusterError, did_you_mean
 
 # DeviceSpec, Efficiency, Link and canonical_dtype live in device.py / link.py; re-exported here
 # because this is where the catalog's values come from.
@@ -109,6 +108,7 @@ _INLINE_NEEDS = (
     "memory_bytes and hbm_bandwidth_bytes_per_s; see configs/devices/*.yaml"
 )
 _LINK_FIELDS = ("bandwidth_GB_s", "latency_us")
+_LINK_KEYS = ("intra_node_link", "inter_node_link")
 _SOURCE_FREE_TEXT = ("fallback_dtype", "device_kinds")
 """Non-numeric fields that may carry a source but need not."""
 
@@ -160,7 +160,7 @@ def _numeric_fields(d: Mapping[str, Any]) -> list[str]:
     fields += [f"efficiency.{k}" for k in d.get("efficiency") or {}]
     if d.get("price_per_hour_usd") is not None:
         fields.append("price_per_hour_usd")
-    for link in ("intra_node_link", "inter_node_link"):
+    for link in _LINK_KEYS:
         if d.get(link) is not None:
             fields += [f"{link}.{k}" for k in _LINK_FIELDS]
     return fields
@@ -202,37 +202,77 @@ def parse_device(data: object, where: Where, *, catalog: bool) -> DeviceSpec:
         range (a unit slip such as ``memory_bytes: 80`` for 80 GB; :mod:`._ranges`).
     """
     d = as_mapping(data, where, what="a device spec")
-    required = _CATALOG_REQUIRED if catalog else _INLINE_REQUIRED
     check_keys(
         d,
         where,
         allowed=DEVICE_KEYS,
-        required=required,
+        required=_CATALOG_REQUIRED if catalog else _INLINE_REQUIRED,
         remedies={k: f"add '{k}: ...'; {_INLINE_NEEDS}" for k in _INLINE_REQUIRED},
     )
+    # The checks run in this order (so which of several slips is reported first stays put):
+    # name, peak figures, fallback, the kinds list, links, memory, bandwidth, then the rest.
     name = as_str(d.get("name", "custom"), where.key("name"), what="a device name")
-    fallback = d.get("fallback_dtype")
     peak = _parse_peak(d["peak_flops_per_s"], where.key("peak_flops_per_s"))
-    if fallback is not None and fallback not in peak:
+    fallback = _parse_fallback(d.get("fallback_dtype"), peak, where.key("fallback_dtype"))
+    kinds = _kinds_list(d.get("device_kinds") or [], where.key("device_kinds"))
+    intra, inter = (_optional_link(d.get(key), where.key(key)) for key in _LINK_KEYS)
+    memory, hbm = _parse_memory(d, where)
+    return DeviceSpec(
+        name=name,
+        vendor=as_str(d.get("vendor", "unknown"), where.key("vendor"), what="a vendor"),
+        peak_flops_per_s=peak,
+        memory_bytes=memory,
+        hbm_bandwidth_bytes_per_s=hbm,
+        efficiency=_parse_efficiency(
+            d.get("efficiency") or {}, where.key("efficiency"), complete=catalog
+        ),
+        fallback_dtype=fallback,
+        price_per_hour_usd=_parse_price(
+            d.get("price_per_hour_usd"), where.key("price_per_hour_usd")
+        ),
+        intra_node_link=intra,
+        inter_node_link=inter,
+        device_kinds=tuple(
+            as_str(k, where.key("device_kinds").index(i), what="a device kind")
+            for i, k in enumerate(kinds)
+        ),
+        description=_optional_str(
+            d.get("description"), where.key("description"), what="a description"
+        ),
+        sources=_parse_sources(d, where.key("source"), complete=catalog),
+    )
+
+
+def _parse_fallback(value: Any, peak: Mapping[str, float], where: Where) -> str | None:
+    """The ``fallback_dtype``: None, or one of the device's peak dtypes."""
+    if value is not None and value not in peak:
         raise fail(
-            where.key("fallback_dtype"),
+            where,
             "fallback_dtype must be one of the dtypes in peak_flops_per_s",
-            fallback,
+            value,
             f"use one of {', '.join(peak)}",
         )
-    kinds = d.get("device_kinds") or []
-    if not isinstance(kinds, list):
+    return value
+
+
+def _kinds_list(value: object, where: Where) -> list[Any]:
+    """The ``device_kinds`` list (its items are checked as the spec is built)."""
+    if not isinstance(value, list):
         raise fail(
-            where.key("device_kinds"),
+            where,
             "device_kinds must be a list of strings",
-            kinds,
+            value,
             'write e.g. device_kinds: ["NVIDIA A100-SXM4-80GB"]',
         )
-    links = {
-        key: parse_link(d[key], where.key(key)) if d.get(key) is not None else None
-        for key in ("intra_node_link", "inter_node_link")
-    }
-    price = d.get("price_per_hour_usd")
+    return value
+
+
+def _optional_link(value: object, where: Where) -> Link | None:
+    return parse_link(value, where) if value is not None else None
+
+
+def _parse_memory(d: Mapping[str, Any], where: Where) -> tuple[int, float]:
+    """``memory_bytes`` and ``hbm_bandwidth_bytes_per_s``, each checked for plausibility."""
     memory = as_int(d["memory_bytes"], where.key("memory_bytes"), what="memory in bytes")
     check_plausible(
         memory,
@@ -253,35 +293,18 @@ def parse_device(data: object, where: Where, *, catalog: bool) -> DeviceSpec:
         key="hbm_bandwidth_bytes_per_s",
         written=d["hbm_bandwidth_bytes_per_s"],
     )
-    return DeviceSpec(
-        name=name,
-        vendor=as_str(d.get("vendor", "unknown"), where.key("vendor"), what="a vendor"),
-        peak_flops_per_s=peak,
-        memory_bytes=memory,
-        hbm_bandwidth_bytes_per_s=hbm,
-        efficiency=_parse_efficiency(
-            d.get("efficiency") or {}, where.key("efficiency"), complete=catalog
-        ),
-        fallback_dtype=fallback,
-        price_per_hour_usd=None
-        if price is None
-        else as_float(
-            price,
-            where.key("price_per_hour_usd"),
-            what="a price in USD per hour",
-            allow_minimum=True,
-        ),
-        intra_node_link=links["intra_node_link"],
-        inter_node_link=links["inter_node_link"],
-        device_kinds=tuple(
-            as_str(k, where.key("device_kinds").index(i), what="a device kind")
-            for i, k in enumerate(kinds)
-        ),
-        description=as_str(d["description"], where.key("description"), what="a description")
-        if d.get("description") is not None
-        else "",
-        sources=_parse_sources(d, where.key("source"), complete=catalog),
-    )
+    return memory, hbm
+
+
+def _parse_price(value: object, where: Where) -> float | None:
+    if value is None:
+        return None
+    return as_float(value, where, what="a price in USD per hour", allow_minimum=True)
+
+
+def _optional_str(value: object, where: Where, *, what: str) -> str:
+    """A non-empty string, or ``""`` for an absent (None) value."""
+    return "" if value is None else as_str(value, where, what=what)
 
 
 # --------------------------------------------------------------------------------------------
@@ -321,8 +344,7 @@ def _load_catalog_file(path: str, mtime_ns: int) -> DeviceSpec:
 
 
 def _unknown_device(name: str, where: Where, names: tuple[str, ...]) -> ClusterError:
-    close = difflib.get_close_matches(name.lower(), names, n=3, cutoff=0.5)
-    hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+    hint = did_you_mean(name.lower(), names, n=3, cutoff=0.5)
     return fail(
         where,
         f"unknown device type {name!r} (not in the device catalog)",

@@ -30,21 +30,21 @@ Bandwidths are GB/s (10^9 bytes/s) per direction per device; latencies are micro
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from shardplan._schema import FrozenMap, Where
 from shardplan._traceback import api_boundary
 from shardplan.cluster._parse import GROUP_EXAMPLE, cluster_parts, local_parts
-from shardplan.cluster._schema import FrozenMap, Where, as_str, fail, load_yaml
+from shardplan.cluster._schema import as_str, fail, load_yaml
 from shardplan.cluster.catalog import catalog_names, load_device
 from shardplan.cluster.device import DeviceSpec
 from shardplan.cluster.group import LINK_HINT, DeviceGroup, GroupLink, check_device_count
 from shardplan.cluster.link import Link
-from shardplan.errors import ClusterError, format_error
+from shardplan.errors import ClusterError, did_you_mean, format_error
 
 __all__ = ["Cluster", "DeviceGroup", "GroupLink", "Link"]  # the last three: re-exports
 
@@ -140,7 +140,7 @@ class Cluster:
             object.__setattr__(self, "devices", devices)
         object.__setattr__(self, "groups", groups)
         object.__setattr__(self, "group_links", tuple(self.group_links))
-        object.__setattr__(self, "_locations", FrozenMap(locations))
+        object.__setattr__(self, "_locations", FrozenMap(locations, sort=False))
 
     def _check_group_links(self, where: Where, names: list[str]) -> None:
         seen: set[frozenset[str]] = set()
@@ -283,14 +283,12 @@ class Cluster:
             if g.name == name:
                 return g
         names = [g.name for g in self.groups]
-        close = difflib.get_close_matches(name, names, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
         raise ClusterError(
             format_error(
                 f"cluster {self.name!r} has no group {name!r}",
                 where="group",
                 value=name,
-                remedy=f"{hint}Groups: {', '.join(names)}",
+                remedy=f"{did_you_mean(name, names)}Groups: {', '.join(names)}",
             )
         )
 

@@ -12,7 +12,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from shardplan.cluster._schema import FrozenMap, Where, as_float, as_int, fail
+from shardplan._schema import FrozenMap, Where
+from shardplan.cluster._schema import as_float, as_int, fail
 from shardplan.cluster.link import Link
 from shardplan.errors import ClusterError, format_error
 
@@ -147,7 +148,9 @@ class DeviceSpec:
 
     def __post_init__(self) -> None:
         where = Where(path=f"DeviceSpec({self.name!r})")
-        peak = FrozenMap({canonical_dtype(k): float(v) for k, v in self.peak_flops_per_s.items()})
+        peak = FrozenMap(
+            {canonical_dtype(k): float(v) for k, v in self.peak_flops_per_s.items()}, sort=False
+        )
         if not peak:
             raise fail(
                 where.key("peak_flops_per_s"),
@@ -180,7 +183,7 @@ class DeviceSpec:
         object.__setattr__(self, "peak_flops_per_s", peak)
         object.__setattr__(self, "memory_bytes", int(self.memory_bytes))
         object.__setattr__(self, "device_kinds", tuple(self.device_kinds))
-        object.__setattr__(self, "sources", FrozenMap(self.sources))
+        object.__setattr__(self, "sources", FrozenMap(self.sources, sort=False))
 
     def effective_dtype(self, dtype: str) -> str:
         """The dtype this device actually runs work of ``dtype`` in.

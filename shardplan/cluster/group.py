@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from shardplan.cluster._schema import Where, as_int, as_str, fail
+from shardplan._schema import Where
+from shardplan.cluster._schema import as_int, as_str, fail
 from shardplan.cluster.device import DeviceSpec
 from shardplan.cluster.link import Link
 from shardplan.errors import ClusterError, format_error

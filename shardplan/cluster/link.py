@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from shardplan._schema import Where
 from shardplan.cluster._ranges import LINK_BANDWIDTH_GB_S, LINK_LATENCY_US, check_plausible
-from shardplan.cluster._schema import Where, as_float, as_mapping, check_keys, short_float
+from shardplan.cluster._schema import as_float, as_mapping, check_keys, short_float
 
 __all__ = ["Link", "parse_link"]
 

@@ -58,7 +58,7 @@ def saved_activation_bytes(graph: OpGraph, local_bytes: Callable[[int], int],
 
     * gpt-tiny (s 32, h 64, 4 heads), a list of blocks: none 231,424 / 231,424, selective
       197,632 / 197,376; a scan: none 329,984 / 329,728, selective 296,192 / 295,936, full
-      8,192 / 8,192 (``tests/test_cost_memory.py``);
+      8,192 / 8,192 (``tests/cost/test_cost_memory.py``);
     * gpt-small at s 256 (h 768, 12 heads), a scan: none 34.64e6 / 34.64e6, selective
       28.32e6 / 28.32e6; a list, batch 8 to 16: selective 22.04e6 / 22.03e6, none 28.3e6 /
       31.5e6: there XLA:CPU also writes out the softmax's broadcast divisor ``[b, a, s, s]``

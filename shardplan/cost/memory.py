@@ -18,7 +18,7 @@ allocation whose contents they do not overlap in time (results are written at th
 step); the rest share one heap, whose size is the peak of the live bytes.
 
 Measured against ``memory_analysis()`` of compiled train steps on 8 CPU devices
-(``benchmarks/cost_fidelity.py``, ``tests/test_cost_sharding.py``): GPT under data 8, tensor
+(``benchmarks/cost_fidelity.py``, ``tests/cost/test_cost_sharding.py``): GPT under data 8, tensor
 8, FSDP 8 and data 2 × tensor 4, Llama (2-D, FSDP 8) and MoE (data 8, 2-D), batch 32 to 256:
 peak within −2.3 % / +1.1 %, temp within −2.3 % / +2.4 %; GPT with a scanned layer stack
 within −3.6 %. Not modelled: XLA's scheduler runs ops in another order where that frees memory

@@ -9,11 +9,18 @@ rejects unknown keys with a did-you-mean.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from shardplan.errors import ConfigError, did_you_mean, format_error, unknown_key
+from shardplan._schema import (
+    check_choice,
+    invalid,
+    is_int,
+    is_number,
+    options_from_mapping,
+    reject_unknown_kwargs,
+    require,
+)
 
 __all__ = ["DEFAULT_BUILTIN_BYTES", "SOURCES", "DataConfig", "Source"]
 
@@ -64,10 +71,7 @@ class DataConfig:
     builtin_bytes: int = DEFAULT_BUILTIN_BYTES
 
     def __new__(cls, *args: Any, **kwargs: Any) -> DataConfig:
-        # dataclass's __init__ would raise a bare TypeError for an unknown keyword.
-        for key in kwargs:
-            if key not in _field_names():
-                raise _unknown_key(key, f"DataConfig({key}=...)")
+        reject_unknown_kwargs(cls, kwargs)  # dataclass's __init__: a bare TypeError
         return super().__new__(cls)
 
     def __post_init__(self) -> None:
@@ -94,67 +98,40 @@ class DataConfig:
           >>> DataConfig.from_dict({"seq_len": 16, "val_fraction": 0.05}).seq_len
           16
         """
-        if not isinstance(mapping, Mapping):
-            raise ConfigError(format_error(
-                "A data config must be a mapping of option names to values.", where=where,
-                value=type(mapping).__name__, remedy=f"options: {', '.join(_field_names())}"))
-        for key in mapping:
-            if key not in _field_names():
-                raise _unknown_key(str(key), f"{where}.{key}")
-        values = {f.name: f.default for f in dataclasses.fields(cls)} | dict(mapping)
+        given = options_from_mapping(cls, mapping, where=where, noun="data config", typed=False)
+        values = {f.name: f.default for f in dataclasses.fields(cls)} | given
         _check(values, where)
-        return cls(**mapping)
-
-
-@functools.cache
-def _field_names() -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(DataConfig))
-
-
-def _unknown_key(key: str, where: str) -> ConfigError:
-    return unknown_key(key, _field_names(), where, owner="DataConfig")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+        return cls(**given)
 
 
 def _check(values: Mapping[str, Any], where: str) -> None:
     """Raises a ConfigError naming ``where.field`` for the first bad value in ``values``."""
     source = values["source"]
-    if source not in SOURCES:
-        raise ConfigError(format_error(
-            f"Unknown data source {source!r}.", where=f"{where}.source", value=source,
-            has_value=True,
-            remedy=f"{did_you_mean(str(source), SOURCES)}sources: {', '.join(SOURCES)}"))
+    check_choice(source, SOURCES, where=f"{where}.source", what="data source", label="sources",
+                 match=str)
     path = values["path"]
     checks = [
         ("path", path is None or isinstance(path, str), "a file path (a string) or null"),
-        ("seq_len", _is_int(values["seq_len"]) and values["seq_len"] >= 1, "an integer >= 1"),
-        ("batch_size", _is_int(values["batch_size"]) and values["batch_size"] >= 1,
+        ("seq_len", is_int(values["seq_len"]) and values["seq_len"] >= 1, "an integer >= 1"),
+        ("batch_size", is_int(values["batch_size"]) and values["batch_size"] >= 1,
          "an integer >= 1"),
-        ("val_fraction", isinstance(values["val_fraction"], int | float)
-         and not isinstance(values["val_fraction"], bool)
+        ("val_fraction", is_number(values["val_fraction"])
          and 0.0 <= values["val_fraction"] < 1.0, "a fraction in [0, 1)"),
-        ("seed", _is_int(values["seed"]) and values["seed"] >= 0, "an integer >= 0"),
-        ("val_batches", _is_int(values["val_batches"]) and values["val_batches"] >= 1,
+        ("seed", is_int(values["seed"]) and values["seed"] >= 0, "an integer >= 0"),
+        ("val_batches", is_int(values["val_batches"]) and values["val_batches"] >= 1,
          "an integer >= 1"),
-        ("builtin_bytes", _is_int(values["builtin_bytes"]) and values["builtin_bytes"] >= 1,
+        ("builtin_bytes", is_int(values["builtin_bytes"]) and values["builtin_bytes"] >= 1,
          "an integer >= 1"),
     ]
     for name, ok, want in checks:
-        if not ok:
-            raise ConfigError(format_error(
-                f"DataConfig.{name} must be {want}.", where=f"{where}.{name}",
-                value=values[name], has_value=True, remedy=f"give {want}"))
+        require(ok, f"{where}.{name}", values[name], want, subject=f"DataConfig.{name}")
     if source == "builtin" and path is not None:
-        raise ConfigError(format_error(
+        raise invalid(
             "The builtin corpus reads no path.", where=f"{where}.path", value=path,
             remedy="remove path, or set source: text (a .txt file or directory) or "
-                   "source: bin (a uint16 token file)"))
+                   "source: bin (a uint16 token file)")
     if source != "builtin" and not path:
-        raise ConfigError(format_error(
+        raise invalid(
             f"Data source {source!r} needs a path.", where=f"{where}.path", value=path,
-            has_value=True,
             remedy="give the file (or, for text, a directory of .txt files) to read, or "
-                   "use source: builtin"))
+                   "use source: builtin")

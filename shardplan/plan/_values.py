@@ -1,8 +1,10 @@
-"""Value checks and immutable containers the plan's dataclasses share (jax-free).
+"""Value checks the plan's dataclasses share (jax-free), in the plan file's wording.
 
 Every check names the field it guards (``where``) and raises a
 :class:`~shardplan.errors.ConfigError` (wrong type or range) or, through ``_mismatch``, a
-:class:`~shardplan.errors.PlanMismatchError` (fields that contradict each other).
+:class:`~shardplan.errors.PlanMismatchError` (fields that contradict each other). The
+predicates, the message layout and :class:`~shardplan._schema.FrozenMap` are
+:mod:`shardplan._schema`'s.
 """
 
 from __future__ import annotations
@@ -10,19 +12,14 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-from shardplan.errors import (
-    ConfigError,
-    PlanMismatchError,
-    ShardplanError,
-    did_you_mean,
-    format_error,
-)
+from shardplan._schema import FrozenMap, invalid, is_int, is_number
+from shardplan.errors import PlanMismatchError, did_you_mean
 
-__all__ = ["ACCUMULATIONS", "PLAN_SCHEDULES", "REMATS", "SHARED_LAYER", "FrozenMap", "Spec",
-           "as_spec", "natural_key", "parse_type"]
+__all__ = ["ACCUMULATIONS", "PLAN_SCHEDULES", "REMATS", "SHARED_LAYER", "Spec", "as_spec",
+           "parse_type"]
 
 ACCUMULATIONS = ("exact", "per_microbatch")
 """How a plan's microbatches combine (``Plan.accumulation``, ``PlanConfig.accumulation``):
@@ -48,112 +45,37 @@ unlike the other layers, which one stage of each replica runs."""
 Spec = tuple[tuple[str, ...], ...]
 """A sharding: per array dimension, the mesh axes it is split over (``()``: replicated)."""
 
-_K = TypeVar("_K", str, int)
-_V = TypeVar("_V")
-
-
-def natural_key(key: str | int) -> tuple[Any, ...]:
-    """Sort key that orders digit runs by value: ``blocks/2`` before ``blocks/10``.
-
-    Example:
-        >>> sorted(["b/10", "b/2", "a"], key=natural_key)
-        ['a', 'b/2', 'b/10']
-    """
-    if isinstance(key, int):
-        return (0, key)
-    parts = re.split(r"(\d+)", key)
-    # Digit runs compare by value, then by text ("01" vs "1") so distinct keys never tie.
-    return (1, tuple((0, int(p), p) if i % 2 else (1, 0, p) for i, p in enumerate(parts)))
-
-
-class FrozenMap(Mapping[_K, _V]):
-    """An immutable, hashable mapping whose iteration order is :func:`natural_key` order.
-
-    Example:
-        >>> m = FrozenMap({"b": 1, "a": 2})
-        >>> list(m), m == {"a": 2, "b": 1}, hash(m) == hash(FrozenMap({"a": 2, "b": 1}))
-        (['a', 'b'], True, True)
-    """
-
-    __slots__ = ("_hash", "_items")
-
-    def __init__(self, items: Mapping[_K, _V] | Iterable[tuple[_K, _V]] = ()) -> None:
-        pairs = dict(items)
-        self._items: dict[_K, _V] = dict(sorted(pairs.items(), key=lambda kv: natural_key(kv[0])))
-        self._hash: int | None = None
-
-    def __getitem__(self, key: _K) -> _V:
-        return self._items[key]
-
-    def __iter__(self) -> Iterator[_K]:
-        return iter(self._items)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def __hash__(self) -> int:
-        if self._hash is None:
-            self._hash = hash(tuple(self._items.items()))
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, Mapping):
-            return dict(self._items) == dict(other)
-        return NotImplemented
-
-    def __repr__(self) -> str:
-        return f"FrozenMap({self._items!r})"
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (FrozenMap, (self._items,))
-
-
 # --------------------------------------------------------------------------- value checks
 
 
-def _config_error(what: str, *, where: str, value: object = None, remedy: str,
-                  kind: type[ShardplanError] = ConfigError) -> ShardplanError:
-    return kind(format_error(what, where=where, value=value, remedy=remedy, has_value=True))
-
-
-_mismatch = functools.partial(_config_error, kind=PlanMismatchError)
+_mismatch = functools.partial(invalid, error=PlanMismatchError)
 
 
 def _check_str(value: object, *, where: str, empty_ok: bool = False) -> str:
     if not isinstance(value, str) or (not empty_ok and not value):
-        raise _config_error("Expected a non-empty string.", where=where, value=value,
-                            remedy="write a string such as 'a100-80g' or 'blocks.0'")
+        raise invalid("Expected a non-empty string.", where=where, value=value,
+                      remedy="write a string such as 'a100-80g' or 'blocks.0'")
     return value
 
 
 def _check_int(value: object, *, where: str, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise _config_error(f"Expected an integer >= {minimum}.", where=where, value=value,
-                            remedy=f"write a whole number >= {minimum}")
+    if not is_int(value) or value < minimum:
+        raise invalid(f"Expected an integer >= {minimum}.", where=where, value=value,
+                      remedy=f"write a whole number >= {minimum}")
     return value
 
 
 def _check_float(value: object, *, where: str) -> float:
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    if not ok or not math.isfinite(float(value)) or float(value) < 0:  # type: ignore[arg-type]
-        raise _config_error("Expected a finite number >= 0.", where=where, value=value,
-                            remedy="write seconds as a non-negative finite number")
-    return float(value)  # type: ignore[arg-type]
-
-
-def _check_choice(value: object, choices: Sequence[str], *, where: str, what: str) -> str:
-    """``value`` if it is one of ``choices``; else a ConfigError with a did-you-mean."""
-    if not isinstance(value, str) or value not in choices:
-        hint = did_you_mean(value.lower(), choices) if isinstance(value, str) else ""
-        raise _config_error(f"Unknown {what} {value!r}.", where=where, value=value,
-                            remedy=f"{hint}one of: {', '.join(choices)}")
-    return value
+    if not is_number(value) or not math.isfinite(float(value)) or float(value) < 0:
+        raise invalid("Expected a finite number >= 0.", where=where, value=value,
+                      remedy="write seconds as a non-negative finite number")
+    return float(value)
 
 
 def _sequence(value: object, *, where: str, example: str = "[...]") -> Sequence[Any]:
     if isinstance(value, str) or not isinstance(value, Sequence):
-        raise _config_error("Expected a list.", where=where, value=value,
-                            remedy=f"write a list such as {example}")
+        raise invalid("Expected a list.", where=where, value=value,
+                      remedy=f"write a list such as {example}")
     return value
 
 
@@ -188,7 +110,7 @@ def as_spec(value: object, /, *, where: str = "spec") -> Spec:
         ((), ('model',), ('data', 'fsdp'))
     """
     if isinstance(value, str) or not isinstance(value, Sequence):
-        raise _config_error(
+        raise invalid(
             "A sharding must be a sequence with one entry per array dimension.", where=where,
             value=value, remedy="write e.g. [[\"data\"], []] (JSON) or ((\"data\",), ()) (Python)")
     dims: list[tuple[str, ...]] = []
@@ -202,7 +124,7 @@ def as_spec(value: object, /, *, where: str = "spec") -> Spec:
     axes = [a for dim in dims for a in dim]
     repeated = sorted({a for a in axes if axes.count(a) > 1})
     if repeated:
-        raise _config_error(
+        raise invalid(
             f"A sharding uses mesh axis {repeated[0]!r} on more than one dimension.",
             where=where, value=tuple(dims),
             remedy="split each mesh axis over at most one array dimension")
@@ -232,7 +154,7 @@ def parse_type(text: object, /, *, where: str = "type") -> tuple[str, tuple[int,
     dims = m.group(2).strip() if m else ""
     parts = [d.strip() for d in dims.split(",")] if dims else []
     if m is None or not all(_DIM.fullmatch(d) for d in parts):
-        raise _config_error(
+        raise invalid(
             "Expected a leaf's type written as dtype[shape], its dimensions non-negative "
             "integers.", where=where, value=text,
             remedy="write e.g. 'float32[64,256]' ('float32[]' for a scalar), or write the plan "
@@ -246,7 +168,7 @@ def _check_rank(spec: Spec, type_text: str, *, where: str) -> None:
     shape = parse_type(type_text)[1]
     if len(spec) > len(shape):
         example = list(list(dim) for dim in spec[:len(shape)])
-        raise _config_error(
+        raise invalid(
             f"The sharding has {len(spec)} entries, but the leaf is {type_text} "
             f"(rank {len(shape)}): one entry per dimension at most.", where=where,
             value=[list(dim) for dim in spec],
@@ -260,8 +182,8 @@ def _freeze_json(value: object, *, where: str) -> object:
         return value
     if isinstance(value, float):
         if not math.isfinite(value):
-            raise _config_error("Non-finite numbers cannot be written to a plan.", where=where,
-                                value=value, remedy="use None for an unknown value")
+            raise invalid("Non-finite numbers cannot be written to a plan.", where=where,
+                          value=value, remedy="use None for an unknown value")
         return value
     if isinstance(value, Mapping):
         # (an empty key is a key path too: the path of a state that is one array)
@@ -269,8 +191,8 @@ def _freeze_json(value: object, *, where: str) -> object:
                           _freeze_json(v, where=f"{where}.{k}") for k, v in value.items()})
     if isinstance(value, Sequence):
         return tuple(_freeze_json(v, where=f"{where}[{i}]") for i, v in enumerate(value))
-    raise _config_error("Expected a JSON value (None, bool, number, string, list, mapping).",
-                        where=where, value=value, remedy="convert it to a JSON-native value")
+    raise invalid("Expected a JSON value (None, bool, number, string, list, mapping).",
+                  where=where, value=value, remedy="convert it to a JSON-native value")
 
 
 def _check_replica_layers(replicas: Sequence[Sequence[int]], layers: Sequence[Sequence[str]], *,
@@ -289,7 +211,7 @@ def _check_replica_layers(replicas: Sequence[Sequence[int]], layers: Sequence[Se
     owners: list[dict[str, int]] = []  # per replica: layer -> the stage that runs it
     for r, indices in enumerate(groups):
         if not indices:
-            raise _config_error(
+            raise invalid(
                 f"Replica {r} has no stages.", where=f"plan.replicas[{r}].stages", value=[],
                 remedy="list the replica's stages, or remove the replica and its microbatches")
         owner: dict[str, int] = {}
@@ -300,7 +222,7 @@ def _check_replica_layers(replicas: Sequence[Sequence[int]], layers: Sequence[Se
                           else f"on stage {owner[name]} and on stage {s}")
                     whose = f"replica {r}" if listed else (
                         "the plan's one replica (plan.replicas is empty)")
-                    raise _config_error(
+                    raise invalid(
                         f"Layer {name!r} runs {on} of {whose}.",
                         where=f"plan.stages[{s}].layers", value=list(layers[s]),
                         remedy="run each layer on one stage of a replica" + (
@@ -316,7 +238,7 @@ def _check_replica_layers(replicas: Sequence[Sequence[int]], layers: Sequence[Se
         for name, s in owner.items():
             if name not in first:
                 elsewhere = any(name in other for q, other in enumerate(owners) if q != r)
-                raise _config_error(
+                raise invalid(
                     f"Stage {s} (replica {r}) runs layer {name!r}, which "
                     + ("replica 0 does not run." if elsewhere else "no other replica runs."),
                     where=f"plan.stages[{s}].layers", value=list(layers[s]),
@@ -324,7 +246,7 @@ def _check_replica_layers(replicas: Sequence[Sequence[int]], layers: Sequence[Se
                            f"each on one of its stages; replica 0 runs {_names(list(first))}")
         if lacking:
             name = lacking[0]
-            raise _config_error(
+            raise invalid(
                 f"Replica {r} runs no stage with layer {name!r}, which replica 0 runs (on stage "
                 f"{first[name]}).", where=f"plan.replicas[{r}]",
                 value={s: list(layers[s]) for s in groups[r]},

@@ -5,7 +5,7 @@ parameter and batch shardings), the inputs the plans were made from (graph, clus
 shardplan version) and the predicted figures. It is false when the plans agree on all of them
 (the solver's report and the notes are not compared: two runs of the planner on equal inputs
 give equal diffs although their solve times differ). Parameter shardings are grouped by key
-pattern (:func:`~shardplan.plan.summary.key_pattern`), so a change to every block of a 96-layer
+pattern (:func:`~shardplan._format.key_pattern`), so a change to every block of a 96-layer
 model is one line.
 
 Example:
@@ -20,8 +20,8 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
-from shardplan.errors import ConfigError, format_error
-from shardplan.plan.summary import (
+from shardplan._format import (
+    HASH_CHARS,
     clip_line,
     compress_ids,
     compress_layers,
@@ -31,13 +31,13 @@ from shardplan.plan.summary import (
     key_pattern,
     wrap_text,
 )
+from shardplan.errors import ConfigError, format_error
 
 if TYPE_CHECKING:
     from shardplan.plan.plan import Plan, Spec, Stage
 
 __all__ = ["Change", "PlanDiff", "SpecChange", "diff"]
 
-_HASH_CHARS = 12
 MAX_STAGE_LINES = 24
 """Stage differences listed before the rest are counted only."""
 
@@ -108,7 +108,7 @@ class PlanDiff:
                              self.batch_specs, self.predicted)))
 
     def __str__(self) -> str:
-        head = (f"Plan {self.before_hash[:_HASH_CHARS]} -> {self.after_hash[:_HASH_CHARS]}: ")
+        head = (f"Plan {self.before_hash[:HASH_CHARS]} -> {self.after_hash[:HASH_CHARS]}: ")
         if not self:
             return head + "no differences"
         lines = [head + f"{len(self)} difference{'s' if len(self) != 1 else ''}"]
@@ -166,7 +166,7 @@ def diff(plan_a: Plan, plan_b: Plan, /) -> PlanDiff:
         before_hash=plan_a.content_hash, after_hash=plan_b.content_hash,
         inputs=_changes([("shardplan_version", plan_a.shardplan_version,
                           plan_b.shardplan_version)]) + tuple(
-            Change(f, getattr(plan_a, f)[:_HASH_CHARS], getattr(plan_b, f)[:_HASH_CHARS])
+            Change(f, getattr(plan_a, f)[:HASH_CHARS], getattr(plan_b, f)[:HASH_CHARS])
             for f in ("graph_fingerprint", "cluster_hash", "config_hash")
             if getattr(plan_a, f) != getattr(plan_b, f)),
         stages=_stage_changes(plan_a, plan_b),

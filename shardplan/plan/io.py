@@ -17,7 +17,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import difflib
 import hashlib
 import json
 import os
@@ -26,8 +25,9 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from shardplan._schema import invalid
 from shardplan._traceback import api_boundary
-from shardplan.errors import ConfigError, ShardplanError, format_error
+from shardplan.errors import ConfigError, ShardplanError, did_you_mean, format_error
 from shardplan.plan.plan import (
     VOLATILE_SOLVER_SUFFIX,
     Layout,
@@ -228,43 +228,37 @@ def content_hash(plan: Plan, /) -> str:
 # --------------------------------------------------------------------------- JSON -> plan
 
 
-def _fail(what: str, *, where: str, value: object = None, remedy: str) -> ConfigError:
-    return ConfigError(format_error(what, where=where, value=value, remedy=remedy,
-                                    has_value=True))
-
-
 def _object(value: object, keys: tuple[set[str], set[str]], *, where: str) -> dict[str, Any]:
     """Checks ``value`` is an object with the required keys and no unknown ones."""
     required, optional = keys
     if not isinstance(value, dict):
-        raise _fail("Expected a JSON object.", where=where, value=value,
-                    remedy="write the file with plan.save(path)")
+        raise invalid("Expected a JSON object.", where=where, value=value,
+                      remedy="write the file with plan.save(path)")
     known = required | optional
     for key in sorted(value, key=natural_key):
         if key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=1)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            raise _fail(f"Unknown key {key!r} in {where}.", where=f"{where}.{key}", value=key,
-                        remedy=f"{hint}known keys: {', '.join(sorted(known))}")
+            raise invalid(f"Unknown key {key!r} in {where}.", where=f"{where}.{key}", value=key,
+                          remedy=f"{did_you_mean(key, sorted(known))}known keys: "
+                                 f"{', '.join(sorted(known))}")
     missing = sorted(required - set(value))
     if missing:
-        raise _fail(f"Missing key {missing[0]!r} in {where}.", where=f"{where}.{missing[0]}",
-                    remedy="write the file with plan.save(path), or add the key "
-                           "(docs/plan-format.md lists every field)")
+        raise invalid(f"Missing key {missing[0]!r} in {where}.", where=f"{where}.{missing[0]}",
+                      remedy="write the file with plan.save(path), or add the key "
+                             "(docs/plan-format.md lists every field)")
     return value
 
 
 def _list(value: object, *, where: str) -> list[Any]:
     if not isinstance(value, list):
-        raise _fail("Expected a JSON list.", where=where, value=value,
-                    remedy="write a list, e.g. [\"data\", \"model\"]")
+        raise invalid("Expected a JSON list.", where=where, value=value,
+                      remedy="write a list, e.g. [\"data\", \"model\"]")
     return value
 
 
 def _int_key(key: str, *, where: str) -> int:
     if not (key.isascii() and key.isdigit()) or str(int(key)) != key:
-        raise _fail("Expected a device id (a non-negative integer written as a string).",
-                    where=where, value=key, remedy='write e.g. "0": 17179869184')
+        raise invalid("Expected a device id (a non-negative integer written as a string).",
+                      where=where, value=key, remedy='write e.g. "0": 17179869184')
     return int(key)
 
 
@@ -303,20 +297,20 @@ def _replica(data: object, *, where: str) -> ReplicaSpec:
 
 def _layouts(data: object, *, where: str) -> dict[str, Layout]:
     if not isinstance(data, dict):
-        raise _fail("Expected a JSON object {layout name: {param_specs, batch_specs}}.",
-                    where=where, value=data,
-                    remedy='write e.g. {"a100-80g:model=8": {"param_specs": {}, '
-                           '"batch_specs": {}}}')
+        raise invalid("Expected a JSON object {layout name: {param_specs, batch_specs}}.",
+                      where=where, value=data,
+                      remedy='write e.g. {"a100-80g:model=8": {"param_specs": {}, '
+                             '"batch_specs": {}}}')
     out = {}
     for key, entry in data.items():
         e = _object(entry, _LAYOUT_KEYS, where=f"{where}[{key!r}]")
         with _within(f"{where}[{key!r}]"):
             kernels = e.get("kernel_specs", {})
             if not isinstance(kernels, dict):
-                raise _fail("Expected a JSON object {equation path: {results, operands}}.",
-                            where=f"{where}[{key!r}].kernel_specs", value=kernels,
-                            remedy='write e.g. {"12": {"results": [[["data"]]], '
-                                   '"operands": [[["data"]]]}}')
+                raise invalid("Expected a JSON object {equation path: {results, operands}}.",
+                              where=f"{where}[{key!r}].kernel_specs", value=kernels,
+                              remedy='write e.g. {"12": {"results": [[["data"]]], '
+                                     '"operands": [[["data"]]]}}')
             specs = {k: _object(x, _KERNEL_SPEC_KEYS, where=f"{where}[{key!r}].kernel_specs"
                                                              f"[{k!r}]")
                      for k, x in kernels.items()}
@@ -329,9 +323,9 @@ def _predicted(data: object, *, where: str) -> Predicted:
     d = _object(data, _PREDICTED_KEYS, where=where)
     memory = d["memory_bytes"]
     if not isinstance(memory, dict):
-        raise _fail("Expected a JSON object {device id: peak bytes}.",
-                    where=f"{where}.memory_bytes", value=memory,
-                    remedy='write e.g. {"0": 17179869184}')
+        raise invalid("Expected a JSON object {device id: peak bytes}.",
+                      where=f"{where}.memory_bytes", value=memory,
+                      remedy='write e.g. {"0": 17179869184}')
     memory_bytes = {_int_key(k, where=f"{where}.memory_bytes.{k}"): v for k, v in memory.items()}
     with _within(where):
         return Predicted(step_time_s=d["step_time_s"], compute_s=d["compute_s"],
@@ -341,8 +335,8 @@ def _predicted(data: object, *, where: str) -> Predicted:
 
 def _param_specs(data: object, *, where: str) -> dict[str, tuple[int, Any]]:
     if not isinstance(data, dict):
-        raise _fail("Expected a JSON object {key path: {stage, spec}}.", where=where, value=data,
-                    remedy='write e.g. {"0/w": {"stage": 0, "spec": [[], ["model"]]}}')
+        raise invalid("Expected a JSON object {key path: {stage, spec}}.", where=where, value=data,
+                      remedy='write e.g. {"0/w": {"stage": 0, "spec": [[], ["model"]]}}')
     out: dict[str, tuple[int, Any]] = {}
     for key, entry in data.items():
         e = _object(entry, _PARAM_KEYS, where=f"{where}[{key!r}]")
@@ -352,10 +346,10 @@ def _param_specs(data: object, *, where: str) -> dict[str, tuple[int, Any]]:
 
 def _constraints(data: object, *, where: str) -> dict[str, tuple[int, Any, Any]]:
     if not isinstance(data, dict):
-        raise _fail("Expected a JSON object {equation path: {stage, results, operands}}.",
-                    where=where, value=data,
-                    remedy='write e.g. {"12": {"stage": 0, "results": [[["data"]]], '
-                           '"operands": [[["data"]]]}}')
+        raise invalid("Expected a JSON object {equation path: {stage, results, operands}}.",
+                      where=where, value=data,
+                      remedy='write e.g. {"12": {"stage": 0, "results": [[["data"]]], '
+                             '"operands": [[["data"]]]}}')
     out: dict[str, tuple[int, Any, Any]] = {}
     for key, entry in data.items():
         e = _object(entry, _CONSTRAINT_KEYS, where=f"{where}[{key!r}]")
@@ -409,8 +403,8 @@ def _parse(text: str, *, source: str) -> object:
         out: dict[str, Any] = {}
         for key, value in pairs:
             if key in out:  # json.loads would keep the last silently: a lost parameter spec
-                raise _fail(f"Key {key!r} appears twice in one JSON object.", where=source,
-                            value=key, remedy="keep one of the two entries")
+                raise invalid(f"Key {key!r} appears twice in one JSON object.", where=source,
+                              value=key, remedy="keep one of the two entries")
             out[key] = value
         return out
 

@@ -32,13 +32,13 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from shardplan._schema import FrozenMap, check_choice, invalid, natural_key
+from shardplan.errors import format_error
 from shardplan.plan._values import (
     ACCUMULATIONS,
     PLAN_SCHEDULES,
     REMATS,
-    FrozenMap,
     Spec,
-    _check_choice,
     _check_float,
     _check_int,
     _check_ints,
@@ -46,23 +46,22 @@ from shardplan.plan._values import (
     _check_replica_layers,
     _check_str,
     _check_strs,
-    _config_error,
     _freeze_json,
     _mismatch,
     _sequence,
     as_spec,
-    natural_key,
     parse_type,
 )
+from shardplan.plan.summary import plan_summary
 
 if TYPE_CHECKING:
     import os
     from pathlib import Path
 
 __all__ = [
-    "SCHEMA_VERSION", "SUPPORTED_SCHEMA_VERSIONS", "VOLATILE_SOLVER_SUFFIX", "FrozenMap",
-    "Layout", "MeshSpec", "Plan", "Predicted", "ReplicaSpec", "Spec", "Stage", "as_spec",
-    "check_schema_version", "natural_key",
+    "SCHEMA_VERSION", "SUPPORTED_SCHEMA_VERSIONS", "VIEWS", "VIEW_MODULES",
+    "VOLATILE_SOLVER_SUFFIX", "FrozenMap", "Layout", "MeshSpec", "Plan", "Predicted",
+    "ReplicaSpec", "Spec", "Stage", "as_spec", "check_schema_version", "natural_key",
 ]
 
 SCHEMA_VERSION = 4
@@ -118,8 +117,8 @@ class MeshSpec:
                             value=(names, sizes),
                             remedy="give axis_names and axis_sizes equal length")
         if len(set(names)) != len(names):
-            raise _config_error("Mesh axis names must be distinct.", where="MeshSpec.axis_names",
-                                value=names, remedy="rename the repeated axis")
+            raise invalid("Mesh axis names must be distinct.", where="MeshSpec.axis_names",
+                          value=names, remedy="rename the repeated axis")
         if math.prod(sizes) != len(ids):
             raise _mismatch(
                 f"The mesh sizes multiply to {math.prod(sizes)} but it lists {len(ids)} devices.",
@@ -176,13 +175,13 @@ class Stage:
         _check_int(self.index, where="Stage.index")
         _check_str(self.device_type, where=f"stages[{self.index}].device_type")
         if not isinstance(self.mesh, MeshSpec):
-            raise _config_error("A stage's mesh must be a MeshSpec.",
-                                where=f"stages[{self.index}].mesh", value=self.mesh,
-                                remedy="pass MeshSpec(axis_names, axis_sizes, device_ids)")
+            raise invalid("A stage's mesh must be a MeshSpec.",
+                          where=f"stages[{self.index}].mesh", value=self.mesh,
+                          remedy="pass MeshSpec(axis_names, axis_sizes, device_ids)")
         object.__setattr__(self, "layers",
                            _check_strs(self.layers, where=f"stages[{self.index}].layers"))
-        _check_choice(self.remat, REMATS, where=f"stages[{self.index}].remat",
-                      what="remat policy")
+        check_choice(self.remat, REMATS, where=f"stages[{self.index}].remat",
+                     what="remat policy")
         _check_int(self.replica, where=f"stages[{self.index}].replica")
         _check_str(self.layout, where=f"stages[{self.index}].layout", empty_ok=True)
 
@@ -225,9 +224,9 @@ class Layout:
             _check_path(key, where="layout.kernel_specs key")
             where = f"layout.kernel_specs[{key!r}]"
             if isinstance(entry, str) or not isinstance(entry, Sequence) or len(entry) != 2:
-                raise _config_error("Expected (result specs, operand specs).", where=where,
-                                    value=entry, remedy="write (((('data',), ()),), "
-                                                        "((('data',), ()),))")
+                raise invalid("Expected (result specs, operand specs).", where=where,
+                              value=entry, remedy="write (((('data',), ()),), "
+                                                  "((('data',), ()),))")
             checked[key] = _pinned_specs(entry[0], entry[1], where=where)
         object.__setattr__(self, "kernel_specs", FrozenMap(checked))
 
@@ -301,9 +300,9 @@ class Predicted:
             where = f"predicted.collectives[{kind!r}]"
             _check_str(kind, where="predicted.collectives key")
             if not isinstance(entry, Mapping) or sorted(entry) != list(_COLLECTIVE_FIELDS):
-                raise _config_error("Each collective kind needs exactly 'count' and 'bytes'.",
-                                    where=where, value=entry,
-                                    remedy="write {'count': n, 'bytes': b}")
+                raise invalid("Each collective kind needs exactly 'count' and 'bytes'.",
+                              where=where, value=entry,
+                              remedy="write {'count': n, 'bytes': b}")
             totals[kind] = FrozenMap({k: _check_int(entry[k], where=f"{where}.{k}")
                                       for k in _COLLECTIVE_FIELDS})
         object.__setattr__(self, "collectives", FrozenMap(totals))
@@ -412,17 +411,17 @@ class Plan:
         for name in ("shardplan_version", "graph_fingerprint", "cluster_hash", "config_hash"):
             _check_str(getattr(self, name), where=f"plan.{name}", empty_ok=True)
         _check_int(self.microbatches, where="plan.microbatches", minimum=1)
-        _check_choice(self.schedule, PLAN_SCHEDULES, where="plan.schedule",
-                      what="pipeline schedule")
+        check_choice(self.schedule, PLAN_SCHEDULES, where="plan.schedule",
+                     what="pipeline schedule")
         if self.accumulation not in ACCUMULATIONS:
-            raise _config_error(
+            raise invalid(
                 "plan.accumulation is not one the runtime knows.", where="plan.accumulation",
                 value=self.accumulation, remedy=f"one of {', '.join(ACCUMULATIONS)}")
         _check_int(self.microbatch_size, where="plan.microbatch_size")
         _check_int(self.chunks, where="plan.chunks", minimum=1)
         if not isinstance(self.predicted, Predicted):
-            raise _config_error("plan.predicted must be a Predicted.", where="plan.predicted",
-                                value=self.predicted, remedy="pass Predicted(...)")
+            raise invalid("plan.predicted must be a Predicted.", where="plan.predicted",
+                          value=self.predicted, remedy="pass Predicted(...)")
         object.__setattr__(self, "notes", tuple(
             _check_str(n, where=f"plan.notes[{i}]", empty_ok=True)
             for i, n in enumerate(_sequence(self.notes, where="plan.notes"))))
@@ -469,7 +468,9 @@ class Plan:
         Equal plans have equal hashes; any change of a decision (a spec, a stage, a count) or of
         an input hash changes it.
         """
-        from shardplan.plan import io  # io imports this module: import it when first needed
+        # plan/io.py imports this module (it builds Plans from JSON): a circle within plan/,
+        # so the four methods that write or read JSON import io when first called.
+        from shardplan.plan import io
 
         return io.content_hash(self)
 
@@ -481,7 +482,7 @@ class Plan:
             >>> Plan.from_json(text) == _example() and text.endswith("}\\n")
             True
         """
-        from shardplan.plan import io
+        from shardplan.plan import io  # (late: io imports this module, see content_hash)
 
         return io.to_json(self)
 
@@ -494,31 +495,30 @@ class Plan:
           ConfigError: the text is not valid JSON (line and column named), a key is missing or
             unknown (with a did-you-mean), or a value has the wrong type.
         """
-        from shardplan.plan import io
+        from shardplan.plan import io  # (late: io imports this module, see content_hash)
 
         return io.from_json(text)
 
     def save(self, path: str | os.PathLike[str], /) -> Path:
         """Writes :meth:`to_json` to ``path`` atomically (temp file + ``os.replace``)."""
-        from shardplan.plan import io
+        from shardplan.plan import io  # (late: io imports this module, see content_hash)
 
         return io.save(self, path)
 
     def summary(self) -> str:
-        """Plain-text summary, at most 100 columns wide, no colour codes.
+        """Plain-text summary, at most 100 columns wide, no colour codes
+        (:mod:`shardplan.plan.summary`).
 
         Example:
             >>> print(_example().summary().splitlines()[0])  # doctest: +ELLIPSIS
             Plan ...: 1 stage, 2 devices, 1 microbatch, schedule none
         """
-        from shardplan.plan import summary
-
-        return summary.plan_summary(self)
+        return plan_summary(self)
 
     def explain(self, tensor: str | None = None) -> str:
         """Why this plan: the runner-ups with their predicted step time and memory, or with
         ``tensor`` (a state key path or pattern) that leaf's alternative shardings and what
-        each would change. Plain text, at most 100 columns (:mod:`shardplan.plan.explain`).
+        each would change. Plain text, at most 100 columns (:mod:`shardplan.viz.explain`).
 
         Raises:
           ConfigError: ``tensor`` names no state leaf of the plan (with a did-you-mean).
@@ -527,23 +527,20 @@ class Plan:
             >>> print(_example().explain().splitlines()[0])  # doctest: +ELLIPSIS
             Plan ...: why this plan
         """
-        from shardplan.plan import explain
-
-        return explain.explain(self, tensor)
+        return _view("explain")(self, tensor)
 
     def report(self) -> str:
         """Predicted | compiled | measured, side by side: memory per stage, FLOPs, collectives
-        and step time (plain text, at most 100 columns). Compiled and measured columns are
-        filled once the plan has run through :func:`shardplan.apply_plan` or
-        :func:`shardplan.auto` (``step.plan``); before that they read ``-``.
+        and step time (plain text, at most 100 columns; :mod:`shardplan.viz.report`). Compiled
+        and measured columns are filled once the plan has run through
+        :func:`shardplan.apply_plan` or :func:`shardplan.auto` (``step.plan``); before that they
+        read ``-``.
 
         Example:
             >>> print(_example().report().splitlines()[0])  # doctest: +ELLIPSIS
             Plan ...: predicted | compiled | measured
         """
-        from shardplan.plan import report
-
-        return report.plan_report(self)
+        return _view("text_report")(self)
 
     def to_html(self) -> str:
         """The plan as one self-contained HTML report (inline CSS, script and SVG; nothing
@@ -554,26 +551,44 @@ class Plan:
             >>> _example().to_html().startswith("<!DOCTYPE html>")
             True
         """
-        return _rendered(self, "report")
+        return _view("report")(self)
 
     def _repr_html_(self) -> str:
         """The HTML report in an ``<iframe srcdoc>``, for notebooks (Jupyter calls this)."""
-        return _rendered(self, "notebook")
+        return _view("notebook")(self)
 
 
-HTML_VIEWS: dict[str, Callable[[Plan], str]] = {}
-"""The plan's HTML views by name (``"report"``, ``"notebook"``), registered by
-:mod:`shardplan.viz.html` when it is imported: viz sits above plan, so plan does not import
-it; ``import shardplan`` imports both."""
+# --------------------------------------------------------------------------- views
+
+VIEWS: dict[str, Callable[..., str]] = {}
+"""The plan's rendered views by name, each called with the plan (and the view's own
+arguments): ``"explain"`` (:meth:`Plan.explain`, with ``tensor``), ``"text_report"``
+(:meth:`Plan.report`), ``"report"`` (:meth:`Plan.to_html`) and ``"notebook"``
+(:meth:`Plan._repr_html_`). The ``shardplan.viz`` modules that render them register them when
+imported (:data:`VIEW_MODULES`): viz sits above plan, so plan does not import it; ``import
+shardplan`` imports both. A registry rather than a value passed in because the methods are the
+public API (``plan.explain()``, Jupyter's ``_repr_html_``); it is filled at import only."""
+
+VIEW_MODULES = {"explain": "shardplan.viz.explain", "text_report": "shardplan.viz.report",
+                "report": "shardplan.viz.html", "notebook": "shardplan.viz.html"}
+"""The module that registers each view of :data:`VIEWS`."""
 
 
-def _rendered(plan: Plan, view: str) -> str:
+def _view(name: str) -> Callable[..., str]:
+    """The view ``name`` of :data:`VIEWS`.
+
+    Raises:
+      RuntimeError: no module registered it (``shardplan.plan`` was imported on its own, without
+        the ``shardplan`` package that imports the views).
+    """
     try:
-        render = HTML_VIEWS[view]
+        return VIEWS[name]
     except KeyError:
-        raise RuntimeError(f"No HTML view {view!r} is registered: import shardplan (or "
-                           "shardplan.viz.html) before rendering a plan as HTML.") from None
-    return render(plan)
+        module = VIEW_MODULES.get(name, "the shardplan.viz module that renders it")
+        raise RuntimeError(format_error(
+            f"No plan view {name!r} is registered, so the plan cannot be rendered this way.",
+            where="shardplan.plan.plan.VIEWS", value=sorted(VIEWS),
+            remedy=f"import shardplan (or {module}) before rendering the plan")) from None
 
 
 def _example() -> Plan:
@@ -605,19 +620,19 @@ def check_schema_version(version: object, *, made_by: object = None) -> None:
 
 def _mapping(value: object, *, where: str, example: str) -> Mapping[Any, Any]:
     if not isinstance(value, Mapping):
-        raise _config_error("Expected a mapping.", where=where, value=value,
-                            remedy=f"pass e.g. {example}")
+        raise invalid("Expected a mapping.", where=where, value=value,
+                      remedy=f"pass e.g. {example}")
     return value
 
 
 def _check_stages(stages: tuple[Stage, ...]) -> None:
     if not stages:
-        raise _config_error("A plan needs at least one stage.", where="plan.stages", value=(),
-                            remedy="add a Stage covering the devices the step runs on")
+        raise invalid("A plan needs at least one stage.", where="plan.stages", value=(),
+                      remedy="add a Stage covering the devices the step runs on")
     for i, stage in enumerate(stages):
         if not isinstance(stage, Stage):
-            raise _config_error("Expected a Stage.", where=f"plan.stages[{i}]", value=stage,
-                                remedy="pass Stage(index, device_type, mesh, layers)")
+            raise invalid("Expected a Stage.", where=f"plan.stages[{i}]", value=stage,
+                          remedy="pass Stage(index, device_type, mesh, layers)")
         if stage.index != i:
             raise _mismatch(
                 f"Stage indices must be consecutive from 0; position {i} holds stage "
@@ -647,8 +662,8 @@ def _check_param_specs(value: object,
         where = f"plan.param_specs[{key!r}]"
         _check_str(key, where="plan.param_specs key", empty_ok=True)  # "" = a bare array
         if isinstance(entry, str) or not isinstance(entry, Sequence) or len(entry) != 2:
-            raise _config_error("Expected a pair (stage index, spec).", where=where, value=entry,
-                                remedy="write (0, (('data',), ()))")
+            raise invalid("Expected a pair (stage index, spec).", where=where, value=entry,
+                          remedy="write (0, (('data',), ()))")
         stage = _check_int(entry[0], where=f"{where} stage")
         if stage >= len(stages):
             raise _mismatch(
@@ -675,9 +690,9 @@ def _check_constraints(value: object, stages: tuple[Stage, ...]
         where = f"plan.constraints[{key!r}]"
         _check_path(key, where="plan.constraints key")
         if isinstance(entry, str) or not isinstance(entry, Sequence) or len(entry) != 3:
-            raise _config_error("Expected (stage index, result specs, operand specs).",
-                                where=where, value=entry,
-                                remedy="write (0, ((('data',), ()),), ((('data',), ()),))")
+            raise invalid("Expected (stage index, result specs, operand specs).",
+                          where=where, value=entry,
+                          remedy="write (0, ((('data',), ()),), ((('data',), ()),))")
         stage = _check_int(entry[0], where=f"{where} stage")
         if stage >= len(stages):
             raise _mismatch(f"The constraint is on stage {stage}, but the plan has "
@@ -695,8 +710,8 @@ def _check_constraints(value: object, stages: tuple[Stage, ...]
 def _check_path(key: object, *, where: str) -> None:
     """Raises ConfigError unless ``key`` is an equation path: indices joined by ``/``."""
     if not isinstance(key, str) or not all(p.isdigit() for p in key.split("/")):
-        raise _config_error("An equation path is equation indices joined by '/'.",
-                            where=where, value=key, remedy="write e.g. '12/3'")
+        raise invalid("An equation path is equation indices joined by '/'.",
+                      where=where, value=key, remedy="write e.g. '12/3'")
 
 
 def _pinned_specs(results: object, operands: object, *, where: str
@@ -714,8 +729,8 @@ def _check_layouts(value: object, stages: tuple[Stage, ...]) -> FrozenMap[str, L
     for key, layout in layouts.items():
         _check_str(key, where="plan.layouts key")
         if not isinstance(layout, Layout):
-            raise _config_error("Expected a Layout.", where=f"plan.layouts[{key!r}]",
-                                value=layout, remedy="pass Layout(param_specs, batch_specs)")
+            raise invalid("Expected a Layout.", where=f"plan.layouts[{key!r}]",
+                          value=layout, remedy="pass Layout(param_specs, batch_specs)")
     checked: set[tuple[str, tuple[str, ...]]] = set()
     for stage in stages:
         if not stage.layout:
@@ -756,8 +771,8 @@ def _check_replicas(value: object, stages: tuple[Stage, ...],
     seen: list[int] = []
     for r, replica in enumerate(replicas):
         if not isinstance(replica, ReplicaSpec):
-            raise _config_error("Expected a ReplicaSpec.", where=f"plan.replicas[{r}]",
-                                value=replica, remedy="pass ReplicaSpec(stages, microbatches)")
+            raise invalid("Expected a ReplicaSpec.", where=f"plan.replicas[{r}]",
+                          value=replica, remedy="pass ReplicaSpec(stages, microbatches)")
         for s in replica.stages:
             if s >= len(stages) or stages[s].replica != r:
                 raise _mismatch(f"Replica {r} lists stage {s}, which is not a stage of replica "

@@ -2,9 +2,10 @@
 
 The text has no colour or other escape codes (it reads the same with ``NO_COLOR`` set, in logs
 and in review comments); ``shardplan/viz`` renders the rich version. Parameter shardings are
-grouped by *pattern*: a numeric key-path component that follows a named one (a layer index,
-``blocks/3``) and a Linen-style index suffix (``Dense_3``) become ``*``, and leaves with the same
-pattern and spec share one line.
+grouped by *pattern* (:func:`~shardplan._format.key_pattern`): a numeric key-path component
+that follows a named one (a layer index, ``blocks/3``) and a Linen-style index suffix
+(``Dense_3``) become ``*``, and leaves with the same pattern and spec share one line. The
+formatting pieces (sizes, times, specs, fitting lines) are :mod:`shardplan._format`'s.
 
 Example:
     >>> from shardplan.plan.plan import _example
@@ -18,254 +19,32 @@ Example:
 
 from __future__ import annotations
 
-import json
-import re
-import textwrap
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
+from shardplan._format import (
+    HASH_CHARS,
+    MAX_WIDTH,
+    clip_line,
+    compress_ids,
+    elide_middle,
+    format_bytes,
+    format_gib,
+    format_share,
+    format_spec,
+    format_time,
+    format_value,
+    key_pattern,
+    layer_runs,
+    pack_items,
+    plural,
+    wrap_text,
+)
+
 if TYPE_CHECKING:
-    from shardplan.plan.plan import Plan, Spec
+    from shardplan.plan.plan import Plan
 
-__all__ = [
-    "ACCUMULATION_WORDS",
-    "MAX_WIDTH",
-    "clip_line",
-    "compress_ids",
-    "compress_layers",
-    "elide_middle",
-    "format_bytes",
-    "format_gib",
-    "format_spec",
-    "format_time",
-    "key_pattern",
-    "layer_runs",
-    "plain_json",
-    "plan_summary",
-    "plural",
-    "wrap_text",
-]
-
-MAX_WIDTH = 100
-"""No summary line is longer than this many columns."""
-
-_GIB = 1024**3
-_HASH_CHARS = 12  # enough hex digits to tell plans apart by eye
-_INDEXED = re.compile(r"^(.*\D)(\d+)$")  # "blocks.12" -> ("blocks.", "12")
-_LINEN_INDEX = re.compile(r"^(.*[A-Za-z])_\d+$")  # "Dense_3" -> "Dense"
-
-
-# --------------------------------------------------------------------------- formatting pieces
-
-
-def format_spec(spec: Spec, /) -> str:
-    """A spec as a ``PartitionSpec``-like tuple.
-
-    Example:
-        >>> format_spec(((), ("model",), ("data", "fsdp")))
-        "(None, 'model', ('data', 'fsdp'))"
-    """
-    entries = [None if not dim else dim[0] if len(dim) == 1 else dim for dim in spec]
-    return repr(tuple(entries))
-
-
-def compress_layers(names: Sequence[str], /) -> str:
-    """``", "``-joined :func:`layer_runs`.
-
-    Example:
-        >>> compress_layers(["pre", "blocks.0", "blocks.1", "blocks.2", "post"])
-        'pre, blocks.0 .. blocks.2, post'
-    """
-    return ", ".join(layer_runs(names)) or "-"
-
-
-def layer_runs(names: Sequence[str], /) -> list[str]:
-    """Layer names with runs of three or more consecutively numbered ones as ``first .. last``.
-
-    Example:
-        >>> layer_runs(["pre", "blocks.0", "blocks.1", "blocks.2", "blocks.4"])
-        ['pre', 'blocks.0 .. blocks.2', 'blocks.4']
-    """
-    parts: list[str] = []
-    i = 0
-    while i < len(names):
-        j = i
-        m = _INDEXED.match(names[i])
-        if m is not None:
-            prefix, start = m.group(1), int(m.group(2))
-            while j + 1 < len(names) and names[j + 1] == f"{prefix}{start + j + 1 - i}":
-                j += 1
-        if j - i >= 2:
-            parts.append(f"{names[i]} .. {names[j]}")
-        else:
-            parts.extend(names[i:j + 1])
-        i = j + 1
-    return parts
-
-
-def compress_ids(ids: Iterable[int], /) -> str:
-    """Sorted device ids with consecutive runs as ``a-b``.
-
-    Example:
-        >>> compress_ids([3, 0, 1, 2, 8, 10, 11])
-        '0-3, 8, 10-11'
-    """
-    ordered = sorted(set(ids))
-    runs: list[list[int]] = []
-    for d in ordered:
-        if runs and d == runs[-1][1] + 1:
-            runs[-1][1] = d
-        else:
-            runs.append([d, d])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-
-
-def key_pattern(path: str, /) -> str:
-    """A key path with layer indices replaced by ``*``.
-
-    A numeric component that follows a named one (``blocks/3``) is an index into a collection
-    of layers; leading numeric components are positions in the state tuple and are kept.
-
-    Example:
-        >>> key_pattern("0/0/blocks/3/mlp/Dense_1/kernel/value")
-        '0/0/blocks/*/mlp/Dense_*/kernel/value'
-    """
-    comps = path.split("/")
-    out: list[str] = []
-    for i, comp in enumerate(comps):
-        if comp.isdigit() and i > 0 and not comps[i - 1].isdigit():
-            out.append("*")
-        else:
-            m = _LINEN_INDEX.match(comp)
-            out.append(f"{m.group(1)}_*" if m else comp)
-    return "/".join(out)
-
-
-def format_time(seconds: float) -> str:
-    """A duration in milliseconds: one decimal from 10 ms up, three below.
-
-    Example:
-        >>> format_time(0.0123), format_time(0.0004)
-        ('12.3 ms', '0.400 ms')
-    """
-    ms = seconds * 1e3
-    return f"{ms:,.1f} ms" if ms >= 10 else f"{ms:.3f} ms"
-
-
-def format_bytes(n: int) -> str:
-    """A byte count in the largest binary unit it reaches (GiB, MiB, KiB), two decimals; whole
-    bytes below 1 KiB.
-
-    Example:
-        >>> format_bytes(3 * 1024**2), format_bytes(512)
-        ('3.00 MiB', '512 B')
-    """
-    for unit, scale in (("GiB", _GIB), ("MiB", 1024**2), ("KiB", 1024)):
-        if n >= scale:
-            return f"{n / scale:,.2f} {unit}"
-    return f"{n} B"
-
-
-def format_gib(n: int) -> str:
-    """Bytes in GiB with two decimals; below 0.1 GiB (tiny test models) as :func:`format_bytes`,
-    in a unit that shows them.
-
-    Example:
-        >>> format_gib(2 * 1024**3), format_gib(1024**2)
-        ('2.00 GiB', '1.00 MiB')
-    """
-    return f"{n / _GIB:,.2f} GiB" if n >= _GIB // 10 else format_bytes(n)
-
-
-def _share(part: float, whole: float) -> str:
-    return f" ({100 * part / whole:.0f} %)" if whole > 0 else ""
-
-
-def _format_value(value: object) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    if isinstance(value, str):
-        return value
-    if isinstance(value, Mapping | tuple):
-        text = json.dumps(plain_json(value), separators=(",", ":"))
-        return text if len(text) <= 40 else text[:37] + "..."
-    return repr(value)
-
-
-def plain_json(value: object) -> object:
-    """A frozen record as plain JSON data: mappings become dicts with string keys and tuples
-    lists, at every depth; other values pass through.
-
-    Example:
-        >>> plain_json({"mesh": (2, 4), 3: {"axes": ("data",)}})
-        {'mesh': [2, 4], '3': {'axes': ['data']}}
-    """
-    if isinstance(value, Mapping):
-        return {str(k): plain_json(v) for k, v in value.items()}
-    if isinstance(value, tuple):
-        return [plain_json(v) for v in value]
-    return value
-
-
-def clip_line(line: str, width: int = MAX_WIDTH) -> str:
-    """``line`` cut to ``width`` columns, ending in ``...`` where it was cut.
-
-    Example:
-        >>> clip_line("stage 0 (cpu x2)", 10)
-        'stage 0...'
-    """
-    return line if len(line) <= width else line[:width - 3] + "..."
-
-
-def elide_middle(text: str, width: int) -> str:
-    """``text`` cut to ``width`` columns by replacing its middle with ``...`` (a character of
-    each end stays, so a width under 5 can be exceeded).
-
-    Example:
-        >>> elide_middle("blocks/attention/wq", 12)
-        'bloc...on/wq'
-    """
-    if len(text) <= width:
-        return text
-    keep = max(width - 3, 2)
-    return text[:keep // 2] + "..." + text[len(text) - (keep - keep // 2):]
-
-
-def _pack(items: Sequence[str], lead: str, subsequent: str, sep: str = ", ") -> list[str]:
-    """Items joined by ``sep``, broken between items (never inside one) to fit MAX_WIDTH."""
-    lines = [lead]
-    for i, item in enumerate(items):
-        piece = item + (sep.rstrip() if i + 1 < len(items) else "")
-        if lines[-1] not in (lead, subsequent) and len(lines[-1]) + 1 + len(piece) > MAX_WIDTH:
-            lines.append(subsequent)
-        joiner = "" if lines[-1] in (lead, subsequent) else " "
-        lines[-1] += joiner + piece
-    return lines
-
-
-def wrap_text(text: str, indent: str, subsequent: str | None = None) -> list[str]:
-    """``text`` broken between words into lines of at most MAX_WIDTH columns, the first led by
-    ``indent`` and the rest by ``subsequent`` (default ``indent``); an empty text gives one line,
-    ``indent`` without its trailing spaces.
-
-    Example:
-        >>> wrap_text("no runner-up", "  ")
-        ['  no runner-up']
-    """
-    return textwrap.wrap(text, MAX_WIDTH, initial_indent=indent,
-                         subsequent_indent=indent if subsequent is None else subsequent,
-                         break_on_hyphens=False) or [indent.rstrip()]
-
-
-def plural(n: int, word: str, plural_word: str | None = None) -> str:
-    """``n`` and ``word``, in the plural (``plural_word``, by default ``word + "s"``) unless ``n``
-    is 1.
-
-    Example:
-        >>> plural(1, "stage"), plural(4, "microbatch", "microbatches")
-        ('1 stage', '4 microbatches')
-    """
-    return f"{n} {word if n == 1 else plural_word or word + 's'}"
+__all__ = ["ACCUMULATION_WORDS", "MAX_STAGE_ROWS", "plan_summary"]
 
 
 # --------------------------------------------------------------------------- sections
@@ -281,13 +60,13 @@ def _header(plan: Plan) -> list[str]:
     size = f" of {plan.microbatch_size}" if plan.microbatch_size else ""
     chunks = f" ({plan.chunks} chunks per stage)" if plan.chunks > 1 else ""
     return [
-        f"Plan {plan.content_hash[:_HASH_CHARS]}: {plural(len(plan.stages), 'stage')}{replicas}, "
+        f"Plan {plan.content_hash[:HASH_CHARS]}: {plural(len(plan.stages), 'stage')}{replicas}, "
         f"{plural(plan.num_devices, 'device')}, {_microbatches(plan)}{size}, "
         f"schedule {plan.schedule}{chunks}",
         f"  schema {plan.schema_version}, shardplan {plan.shardplan_version}, "
-        f"graph {plan.graph_fingerprint[:_HASH_CHARS] or '-'}, "
-        f"cluster {plan.cluster_hash[:_HASH_CHARS] or '-'}, "
-        f"config {plan.config_hash[:_HASH_CHARS] or '-'}",
+        f"graph {plan.graph_fingerprint[:HASH_CHARS] or '-'}, "
+        f"cluster {plan.cluster_hash[:HASH_CHARS] or '-'}, "
+        f"config {plan.config_hash[:HASH_CHARS] or '-'}",
         *([f"  accumulation: {ACCUMULATION_WORDS[plan.accumulation]}"]
           if plan.microbatches > 1 or plan.accumulation != "exact" else []),
     ]
@@ -341,7 +120,7 @@ def _replicas(plan: Plan) -> list[str]:
                      " each")
         for device_type, mesh, n, layers, remat in shape:
             lead = f"    {device_type} {mesh} {plural(n, 'device')}, remat {remat}: "
-            lines.extend(_pack(list(layers) or ["-"], lead, " " * 6))
+            lines.extend(pack_items(list(layers) or ["-"], lead, " " * 6))
     return lines
 
 
@@ -360,9 +139,9 @@ def _stages(plan: Plan) -> list[str]:
         lead += "  "
         if len(lead) > MAX_WIDTH - 20:  # pathological widths: put layers on their own lines
             lines.append(clip_line(lead.rstrip()))
-            lines.extend(_pack(names, "      ", "      "))
+            lines.extend(pack_items(names, "      ", "      "))
         else:
-            lines.extend(_pack(names, lead, " " * len(lead)))
+            lines.extend(pack_items(names, lead, " " * len(lead)))
     return lines
 
 
@@ -434,8 +213,9 @@ def _predicted(plan: Plan) -> list[str]:
     lines = [
         f"Predicted (per step, {_microbatches(plan)}, schedule {plan.schedule})",
         f"  step time     {format_time(p.step_time_s)}",
-        f"  compute       {format_time(p.compute_s)}{_share(p.compute_s, busy_s)}",
-        f"  communication {format_time(p.communication_s)}{_share(p.communication_s, busy_s)}",
+        f"  compute       {format_time(p.compute_s)}{format_share(p.compute_s, busy_s)}",
+        f"  communication {format_time(p.communication_s)}"
+        f"{format_share(p.communication_s, busy_s)}",
     ]
     # Peak memory per device type: the max over the type's devices that have a prediction.
     devices_of: dict[str, set[int]] = {}
@@ -447,10 +227,10 @@ def _predicted(plan: Plan) -> list[str]:
         if known:
             peaks.append(f"{device_type} {format_gib(max(known))} "
                          f"(max of {plural(len(known), 'device')})")
-    lines += _pack(peaks or ["not predicted"], "  peak memory   ", " " * 16, sep="; ")
+    lines += pack_items(peaks or ["not predicted"], "  peak memory   ", " " * 16, sep="; ")
     coll = [f"{kind} {plural(t['count'], 'op')}, {format_bytes(t['bytes'])}"
             for kind, t in p.collectives.items()]
-    lines += _pack(coll or ["none"], "  collectives   ", " " * 16, sep="; ")
+    lines += pack_items(coll or ["none"], "  collectives   ", " " * 16, sep="; ")
     return lines
 
 
@@ -462,9 +242,9 @@ def _solver(plan: Plan) -> list[str]:
     # (runner-ups and per-leaf alternatives are Plan.explain()'s: one line says they are there)
     skip = ("status", "solve_time_s", "chosen", "candidates", "runner_ups", "alternatives",
             "timeline")
-    rest = [f"{k}={_format_value(v)}" for k, v in s.items() if k not in skip]
+    rest = [f"{k}={format_value(v)}" for k, v in s.items() if k not in skip]
     lines = ["Solver"]
-    lines += _pack(rest, f"  {head}: ", "    ") if rest else [f"  {head}"]
+    lines += pack_items(rest, f"  {head}: ", "    ") if rest else [f"  {head}"]
     candidates = s.get("candidates")
     if isinstance(candidates, Mapping) and candidates:
         # the stage planner's final pick (solver/stages/portfolio.py): predicted / simulated per plan
@@ -474,12 +254,12 @@ def _solver(plan: Plan) -> list[str]:
         rows = [f"{name}{' (chosen)' if name == s.get('chosen') else ''} "
                 f"{seconds(c.get('step_s'))} / {seconds(c.get('simulated_step_s'))}"
                 for name, c in candidates.items() if isinstance(c, Mapping)]
-        lines += _pack(rows, "  candidates, predicted / simulated step: ", "    ", sep="; ")
+        lines += pack_items(rows, "  candidates, predicted / simulated step: ", "    ", sep="; ")
     if "runner_ups" in s or "alternatives" in s:
         lines.append("  runner-ups and alternative shardings: plan.explain()")
     if plan.timings:
         spent = [f"{k} {v:.3g} s" for k, v in plan.timings.items()]
-        lines += _pack(spent, "  planning took: ", "    ", sep="; ")
+        lines += pack_items(spent, "  planning took: ", "    ", sep="; ")
     return lines
 
 

@@ -31,8 +31,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, cast
 
+from shardplan._schema import invalid
 from shardplan.errors import unknown_key
-from shardplan.plan._values import _check_float, _check_int, _config_error, _mismatch, _sequence
+from shardplan.plan._values import _check_float, _check_int, _mismatch, _sequence
 
 if TYPE_CHECKING:
     from shardplan.plan.plan import Plan
@@ -100,21 +101,21 @@ def timeline_events(plan: Plan, /) -> list[TimelineEvent] | None:
     if raw is None:
         return None
     if not isinstance(raw, Mapping):
-        raise _config_error("The timeline must be an object.", where=_WHERE, value=raw,
-                            remedy="write {'columns': [...], 'same_as': [...], 'window': "
-                                   "null, 'rows': [...]}")
+        raise invalid("The timeline must be an object.", where=_WHERE, value=raw,
+                      remedy="write {'columns': [...], 'same_as': [...], 'window': "
+                             "null, 'rows': [...]}")
     for key in raw:
         if key not in _KEYS:
             raise unknown_key(key, _KEYS, _WHERE)
     missing = [key for key in _KEYS if key not in raw]
     if missing:
-        raise _config_error("The timeline lacks a key.", where=f"{_WHERE}.{missing[0]}",
-                            value=sorted(raw), remedy=f"give all of {list(_KEYS)}")
+        raise invalid("The timeline lacks a key.", where=f"{_WHERE}.{missing[0]}",
+                      value=sorted(raw), remedy=f"give all of {list(_KEYS)}")
     columns = tuple(_sequence(raw["columns"], where=f"{_WHERE}.columns"))
     if columns != TIMELINE_COLUMNS:
-        raise _config_error("The timeline's columns are not the ones this shardplan reads.",
-                            where=f"{_WHERE}.columns", value=list(columns),
-                            remedy=f"write {list(TIMELINE_COLUMNS)}; or make the plan again")
+        raise invalid("The timeline's columns are not the ones this shardplan reads.",
+                      where=f"{_WHERE}.columns", value=list(columns),
+                      remedy=f"write {list(TIMELINE_COLUMNS)}; or make the plan again")
     stages = ([tuple(r.stages) for r in plan.replicas] if plan.replicas
               else [tuple(range(len(plan.stages)))])
     same_as = _check_same_as(raw["same_as"], plan, stages)
@@ -159,8 +160,8 @@ def _event(row: object, i: int, plan: Plan, stages: list[tuple[int, ...]], same_
     where = f"{_WHERE}.rows[{i}]"
     cells = _sequence(row, where=where, example="[0, 0, 'forward', 0, 0, 0.0, 0.1, None]")
     if len(cells) != len(TIMELINE_COLUMNS):
-        raise _config_error(f"A timeline row has {len(TIMELINE_COLUMNS)} cells, one per column.",
-                            where=where, value=cells, remedy=f"write {list(TIMELINE_COLUMNS)}")
+        raise invalid(f"A timeline row has {len(TIMELINE_COLUMNS)} cells, one per column.",
+                      where=where, value=cells, remedy=f"write {list(TIMELINE_COLUMNS)}")
     replica, stage, kind, microbatch, chunk, start, end, to_stage = cells
     r = _check_int(replica, where=f"{where}.replica")
     if r >= len(stages) or same_as[r] != r:
@@ -173,8 +174,8 @@ def _event(row: object, i: int, plan: Plan, stages: list[tuple[int, ...]], same_
                         where=f"{where}.stage", value=s,
                         remedy=f"use a stage of replica {r}: {list(stages[r])}")
     if kind not in TIMELINE_KINDS:
-        raise _config_error("Unknown timeline event kind.", where=f"{where}.kind", value=kind,
-                            remedy=f"use one of {list(TIMELINE_KINDS)}")
+        raise invalid("Unknown timeline event kind.", where=f"{where}.kind", value=kind,
+                      remedy=f"use one of {list(TIMELINE_KINDS)}")
     j, m = _check_int(microbatch, where=f"{where}.microbatch"), plan.replica_microbatches[r]
     if j >= m:
         raise _mismatch("A timeline row names a microbatch the replica does not run.",
@@ -191,13 +192,13 @@ def _event(row: object, i: int, plan: Plan, stages: list[tuple[int, ...]], same_
     start_s = _check_float(start, where=f"{where}.start_s")
     end_s = _check_float(end, where=f"{where}.end_s")
     if end_s < start_s:
-        raise _config_error("A timeline event ends before it starts.", where=f"{where}.end_s",
-                            value=(start_s, end_s), remedy="write end_s >= start_s")
+        raise invalid("A timeline event ends before it starts.", where=f"{where}.end_s",
+                      value=(start_s, end_s), remedy="write end_s >= start_s")
     target = None
     if kind in ("forward", "backward"):
         if to_stage is not None:
-            raise _config_error("A compute event has no receiving stage.",
-                                where=f"{where}.to_stage", value=to_stage, remedy="write null")
+            raise invalid("A compute event has no receiving stage.",
+                          where=f"{where}.to_stage", value=to_stage, remedy="write null")
     else:
         target = _check_int(to_stage, where=f"{where}.to_stage")
         k, step = len(stages[r]), 1 if kind == "send_forward" else -1

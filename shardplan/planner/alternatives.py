@@ -2,8 +2,9 @@
 runner-up meshes and, per state leaf, the other shardings of its solver node.
 
 Both are written into ``Plan.solver`` as JSON-native values (``runner_ups`` and
-``alternatives``; the layout is described in :mod:`shardplan.plan.explain`) from what the
-search already solved: no problem is solved again.
+``alternatives``, the latter by :func:`alternatives_record`; the layout is described in
+:mod:`shardplan.viz.explain`, which reads them) from what the search already solved: no
+problem is solved again.
 
 * **Runner-ups** are the other candidate meshes :func:`~shardplan.planner.mesh.best_mesh`
   solved (the best solution per mesh shape over the tying periods), each priced as the plan is
@@ -24,15 +25,15 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from shardplan._format import key_pattern, stage_runs, starred_values
 from shardplan.cluster import Cluster
 from shardplan.cluster.mesh import LogicalMesh
 from shardplan.cost.memory import estimate_memory
 from shardplan.cost.step import step_cost
-from shardplan.plan.explain import alternatives_record, stage_runs, starred_values
-from shardplan.plan.summary import key_pattern
+from shardplan.plan.plan import Spec
 from shardplan.planner.decode import placed_analysis
 from shardplan.planner.mesh import MeshChoice
 from shardplan.planner.nodes import IntraOpProblem
@@ -43,7 +44,8 @@ from shardplan.solver.stages.portfolio import PipelineChoice
 from shardplan.trace.graph import OpGraph
 
 __all__ = ["BASIS", "LAYOUT_BASIS", "MAX_REPAIRS", "RUNNER_UPS", "LocalCosts", "alternative",
-           "change", "leaf_alternatives", "node_groups", "pipeline_runner_ups", "runner_ups"]
+           "alternatives_record", "change", "leaf_alternatives", "node_groups",
+           "pipeline_runner_ups", "runner_ups"]
 
 RUNNER_UPS = 3
 """Most runner-up meshes a plan records."""
@@ -258,12 +260,46 @@ def change(local: LocalCosts, chosen: Sequence[int], after: Sequence[int],
     return delta, memory, feasible
 
 
+def _spec_json(spec: Spec) -> list[list[str]]:
+    return [list(dim) for dim in spec]
+
+
+def alternatives_record(entries: Mapping[Any, Mapping[str, Any]],
+                        leaves: Mapping[str, Sequence[tuple[Any, str]]], *,
+                        basis: str = "") -> dict[str, Any]:
+    """The JSON-native ``alternatives`` record (:mod:`shardplan.viz.explain` describes it).
+
+    Args:
+      entries: per group key, ``{"chosen": spec, "options": [(spec, delta_step_s or None,
+        delta_memory_bytes, feasible), ...]}``.
+      leaves: per key pattern, ``(group key, ",".join(starred values))`` of each leaf.
+      basis: how the changes were computed, for the reader.
+    """
+    index = {key: i for i, key in enumerate(entries)}
+    groups = []
+    for entry in entries.values():
+        options = sorted(entry["options"], key=lambda o: (not o[3], o[1] is None,
+                                                          o[1] or 0.0, o[2]))
+        groups.append({"chosen": _spec_json(entry["chosen"]),
+                       "options": [[_spec_json(s), d, round(m) if math.isfinite(m)
+                                    else None, bool(ok)] for s, d, m, ok in options]})
+    by_pattern: dict[str, Any] = {}
+    for pattern, members in leaves.items():
+        distinct = list(dict.fromkeys(index[key] for key, _ in members))
+        if len(distinct) == 1:
+            by_pattern[pattern] = distinct[0]
+        else:
+            by_pattern[pattern] = [[g, [v for key, v in members if index[key] == g]]
+                                   for g in distinct]
+    return {"basis": basis, "groups": groups, "leaves": by_pattern}
+
+
 def leaf_alternatives(graph: OpGraph, ip: IntraOpProblem, solution: Solution, *,
                       basis: str = BASIS) -> dict[str, Any]:
     """Per state leaf, the other strategies of its node with their cost and memory changes
     (see the module docstring and :func:`alternative`), grouped so that leaves sharing a node
     group (tied layers, a parameter and its optimizer state) share one entry: the
-    ``alternatives`` record of :mod:`shardplan.plan.explain`."""
+    ``alternatives`` record (:func:`alternatives_record`)."""
     chosen = solution.assignment
     if chosen is None:
         raise ValueError("the solution has no assignment")
@@ -325,7 +361,7 @@ def pipeline_runner_ups(choice: PipelineChoice, device_types: Sequence[str]
 
 def _pipeline_config(plan: PipelinePlan, device_types: Sequence[str]) -> str:
     """``"4 x [a100-80g 8 + v100-32g 8]; 16 mb of 2, 1f1b, remat none"``: identical
-    replicas once (the format of :func:`shardplan.plan.explain.pipeline_label`)."""
+    replicas once (the format of :func:`shardplan.viz.explain.pipeline_label`)."""
     shapes: dict[str, int] = {}
     for r in plan.replicas:
         shape = stage_runs([f"{device_types[s.group]} {s.devices}" for s in r.stages])

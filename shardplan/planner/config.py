@@ -4,19 +4,16 @@ checked, from keyword arguments or a mapping (a YAML file's section)."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
-import types
-import typing
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from shardplan.errors import ConfigError, format_error, unknown_key
+from shardplan._schema import options_from_mapping, reject_unknown_kwargs, require
 from shardplan.plan._values import ACCUMULATIONS
 from shardplan.solver.stages.pipeline import REMATS, SCHEDULES, Remat, Schedule
 
-__all__ = ["PlanConfig", "conform"]
+__all__ = ["PlanConfig"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,10 +109,7 @@ class PlanConfig:
     accumulation: Literal["exact", "per_microbatch"] = "exact"
 
     def __new__(cls, *args: Any, **kwargs: Any) -> PlanConfig:
-        # dataclass's __init__ would raise a bare TypeError for an unknown keyword.
-        for key in kwargs:
-            if key not in _field_names():
-                raise _unknown_key(key, f"PlanConfig({key}=...)")
+        reject_unknown_kwargs(cls, kwargs)  # dataclass's __init__: a bare TypeError
         return super().__new__(cls)
 
     @classmethod
@@ -137,24 +131,7 @@ class PlanConfig:
           >>> PlanConfig.from_dict({"time_limit_s": 5, "schedules": ["1f1b"]}).schedules
           ('1f1b',)
         """
-        if not isinstance(mapping, Mapping):
-            raise ConfigError(format_error(
-                "A plan config must be a mapping of option names to values.", where=where,
-                value=type(mapping).__name__, remedy=f"options: {', '.join(_field_names())}"))
-        hints = typing.get_type_hints(cls)
-        values = {}
-        for key, value in mapping.items():
-            if key not in _field_names():
-                raise _unknown_key(str(key), f"{where}.{key}")
-            ok, values[key] = conform(value, hints[key])
-            if not ok:
-                want = (hints[key].__name__ if isinstance(hints[key], type)
-                        else str(hints[key]).replace("typing.", ""))
-                raise ConfigError(format_error(
-                    f"PlanConfig option {key!r} must be of type {want}.",
-                    where=f"{where}.{key}", value=value, has_value=True,
-                    remedy=f"give a {want} (see the PlanConfig docstring)"))
-        return cls(**values)
+        return cls(**options_from_mapping(cls, mapping, where=where, noun="plan config"))
 
     def __post_init__(self) -> None:
         if isinstance(self.axis_rules, list | tuple) and all(
@@ -189,54 +166,9 @@ class PlanConfig:
              "(logical name, mesh axis or None) pairs"),
         ]
         for name, ok, want in checks:
-            if not ok:
-                raise ConfigError(format_error(
-                    f"PlanConfig.{name} must be {want}.", where=f"PlanConfig.{name}",
-                    value=getattr(self, name), remedy=f"pass {want}"))
+            require(ok, f"PlanConfig.{name}", getattr(self, name), want, verb="pass",
+                    show_none=False)
 
     def content_hash(self) -> str:
         text = json.dumps(dataclasses.asdict(self), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-@functools.cache
-def _field_names() -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(PlanConfig))
-
-
-def _unknown_key(key: str, where: str) -> ConfigError:
-    return unknown_key(key, _field_names(), where, owner="PlanConfig")
-
-
-def conform(value: Any, hint: Any, /) -> tuple[bool, Any]:
-    """Whether ``value`` is of type ``hint`` (lists taken for tuples), and the value as the
-    field holds it (tuples for lists, floats for ints)."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        for option in args:
-            ok, out = conform(value, option)
-            if ok:
-                return True, out
-        return False, value
-    if origin is Literal:
-        return value in args and not isinstance(value, bool), value
-    if origin is tuple:
-        if not isinstance(value, list | tuple):
-            return False, value
-        items = args[:1] * len(value) if len(args) == 2 and args[1] is Ellipsis else args
-        if len(items) != len(value):
-            return False, value
-        out = [conform(v, h) for v, h in zip(value, items, strict=True)]
-        return all(ok for ok, _ in out), tuple(v for _, v in out)
-    if hint is type(None):
-        return value is None, value
-    if hint is bool:
-        return isinstance(value, bool), value
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
-    if hint is float:
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-        return ok, float(value) if ok else value
-    if hint is str:
-        return isinstance(value, str), value
-    return True, value  # a type this checker does not know: __post_init__ checks the value

@@ -251,6 +251,24 @@ def fold_blocks(graph: OpGraph, period: int = 1) -> Fold | None:
     tensor_of: dict[int, int] = {}
     for member, rep in op_rep.items():
         tensor_of.update(zip(graph.ops[member].outputs, graph.ops[rep].outputs, strict=True))
+    kept = _kept_ops(graph, op_rep, tensor_of, param_of)
+    if kept is None:
+        return None
+    ops, new_id, reads = kept
+    return _assemble(graph, ops, new_id, op_rep, tensor_of, layer_of,
+                     _boundary_uses(ops, reads), period, _dropped_leaves(graph, ops, param_of))
+
+
+def _kept_ops(graph: OpGraph, op_rep: dict[int, int], tensor_of: dict[int, int],
+              param_of: Mapping[int, int]
+              ) -> tuple[list[Op], dict[int, int], list[list[dict[int, int]]]] | None:
+    """The folded graph's ops, their ids and their operands' sources; None if one cannot fold.
+
+    Each kept op runs the executions of the members folded into it; per kept op and operand,
+    ``{source: executions}``. None where an operand has no source that precedes its op. Ops
+    that compute the same value outside the blocks merge, extending ``op_rep`` and
+    ``tensor_of`` in place.
+    """
     # Per kept op, the member ops folded into it (itself first).
     folded_into: dict[int, list[int]] = defaultdict(list)
     for member, rep in op_rep.items():
@@ -265,12 +283,7 @@ def fold_blocks(graph: OpGraph, period: int = 1) -> Fold | None:
         executions = [op.id, *folded_into.get(op.id, ())]
         inputs, sources = [], []
         for i, own in enumerate(op.inputs):
-            # The sources this operand has across the members, as the folded graph names them.
-            by_source: dict[int, int] = {}
-            for o in executions:
-                t = graph.ops[o].inputs[i]
-                t = tensor_of.get(t, param_of.get(t, t))
-                by_source[t] = by_source.get(t, 0) + graph.ops[o].count
+            by_source = _operand_sources(graph, executions, i, tensor_of, param_of)
             primary = _primary(graph, op.id, tensor_of.get(own, own), by_source)
             if primary is None:
                 return None  # no source precedes the op: refuse to fold
@@ -295,6 +308,30 @@ def fold_blocks(graph: OpGraph, period: int = 1) -> Fold | None:
         reads.append(sources)
         count = sum(graph.ops[o].count for o in executions)
         ops.append(dataclasses.replace(op, id=new_id[op.id], inputs=tuple(inputs), count=count))
+    return ops, new_id, reads
+
+
+def _operand_sources(graph: OpGraph, executions: Sequence[int], i: int,
+                     tensor_of: Mapping[int, int], param_of: Mapping[int, int]
+                     ) -> dict[int, int]:
+    """Operand ``i``'s sources across the member ops ``executions``, each with its executions.
+
+    Sources are named as the folded graph names them.
+    """
+    by_source: dict[int, int] = {}
+    for o in executions:
+        t = graph.ops[o].inputs[i]
+        t = tensor_of.get(t, param_of.get(t, t))
+        by_source[t] = by_source.get(t, 0) + graph.ops[o].count
+    return by_source
+
+
+def _boundary_uses(ops: Sequence[Op], reads: Sequence[Sequence[dict[int, int]]]
+                   ) -> BoundaryUses:
+    """The :class:`BoundaryUses` of the operands the kept ops read from several sources.
+
+    Per such operand, the executions of its primary source; the other sources as carries.
+    """
     counts: dict[tuple[int, int], int] = {}
     carries: list[Carry] = []
     for o, (op, operands) in enumerate(zip(ops, reads, strict=True)):
@@ -303,9 +340,7 @@ def fold_blocks(graph: OpGraph, period: int = 1) -> Fold | None:
                 primary = op.inputs[i]
                 counts[(o, i)] = by_source[primary]
                 carries += [Carry(t, o, i, n) for t, n in by_source.items() if t != primary]
-    return _assemble(graph, ops, new_id, op_rep, tensor_of, layer_of,
-                     BoundaryUses(counts, tuple(carries)), period, _dropped_leaves(graph, ops,
-                                                                                   param_of))
+    return BoundaryUses(counts, tuple(carries))
 
 
 def _dropped_leaves(graph: OpGraph, ops: Sequence[Op], param_of: Mapping[int, int]
@@ -403,6 +438,17 @@ def _assemble(graph: OpGraph, ops: list[Op], new_id: Mapping[int, int],
                                  layers=layers,
                                  inputs=tuple(tid[t] for t in graph.inputs if t not in leaf_of),
                                  outputs=outputs)
+    charged = _charged(graph, ops, op_of)
+    source_ids = tuple(sorted(new_id, key=new_id.__getitem__))
+    return Fold(graph=folded, source=graph, op_of=op_of, source_ids=source_ids,
+                tensor_ids=tensor_ids, tensor_of=dict(tensor_of),
+                boundary=boundary, members=dict(members), period=period, charged=charged,
+                leaf_of=dict(leaf_of))
+
+
+def _charged(graph: OpGraph, ops: Sequence[Op], op_of: Sequence[int]
+             ) -> dict[int, tuple[Op, ...]]:
+    """Per costed folded op, a variant per distinct memory charge (:attr:`Fold.charged`)."""
     is_buffer = in_memory_tensors(graph).__getitem__
     executions: dict[int, list[int]] = defaultdict(list)
     for o, f in enumerate(op_of):
@@ -428,11 +474,7 @@ def _assemble(graph: OpGraph, ops: list[Op], new_id: Mapping[int, int],
         charged[op.id] = tuple(
             dataclasses.replace(op, bytes_read=read, bytes_written=written, count=count)
             for (read, written), count in variants.items())
-    source_ids = tuple(sorted(new_id, key=new_id.__getitem__))
-    return Fold(graph=folded, source=graph, op_of=op_of, source_ids=source_ids,
-                tensor_ids=tensor_ids, tensor_of=dict(tensor_of),
-                boundary=boundary, members=dict(members), period=period, charged=charged,
-                leaf_of=dict(leaf_of))
+    return charged
 
 
 def expand(fold: Fold, ip: IntraOpProblem) -> IntraOpProblem:

@@ -339,35 +339,7 @@ class _Readback:
         graph, mesh, batch = self.graph, choice.mesh, self.batch
         assignment = choice.solution.assignment or ()
         analysis = _placed_analysis(graph, layout, mesh, assignment, self.rules)
-        device = self.cluster.group_of(mesh.device_ids[0]).device
-        # Each op's roofline on its local shard (cost.compute.op_times), times its count.
-        sizes: dict[tuple[str, ...], float] = {}
-        for axes in analysis.op_axes:
-            if axes not in sizes:
-                sizes[axes] = float(mesh.size(axes))
-        divisor = np.asarray([sizes[analysis.op_axes[o]] for o in self.row_op])
-        seconds: dict[int, float] = {}
-        for o, t in zip(self.row_op, self.rooflines.times(device, self.rows, divisor).tolist(),
-                        strict=True):
-            seconds[o] = seconds.get(o, 0.0) + t
-        # mesh_collective_time_s of each collective, memoised and shared between meshes.
-        comm = MeshCollectives(mesh, self.cluster, self.collective_cache)
-        for c in analysis.collectives:
-            seconds[c.op] = seconds.get(c.op, 0.0) + c.count * comm.collective(
-                c.kind, c.axes, c.result_bytes, combinable=c.op in self.combinable)
-        phase: dict[tuple[int, str], float] = defaultdict(float)
-        recompute: dict[tuple[int, str], float] = defaultdict(float)
-        for op_id, (mine, shared_by) in self.owners.items():
-            s = seconds.get(op_id, 0.0)
-            if not s:
-                continue
-            share = s / shared_by
-            op_phase = graph.ops[op_id].phase
-            for index in mine:
-                mine_s = share / self.members[index]
-                phase[(index, op_phase)] += mine_s
-                for policy in self.recomputed[op_id]:
-                    recompute[(index, policy)] += mine_s
+        phase, recompute = self._layer_seconds(self._op_seconds(analysis, mesh))
 
         def local(t: int) -> int:
             return analysis.local_bytes(graph, t)
@@ -399,6 +371,46 @@ class _Readback:
                 work_bytes={p: work[i][p] / batch for p in REMATS},
                 resident_bytes=resident.get(i, 0.0))
         return out
+
+
+    def _op_seconds(self, analysis: ShardingAnalysis, mesh: LogicalMesh) -> dict[int, float]:
+        """Per op, its roofline seconds on its local shard and its collectives' seconds."""
+        device = self.cluster.group_of(mesh.device_ids[0]).device
+        # Each op's roofline on its local shard (cost.compute.op_times), times its count.
+        sizes: dict[tuple[str, ...], float] = {}
+        for axes in analysis.op_axes:
+            if axes not in sizes:
+                sizes[axes] = float(mesh.size(axes))
+        divisor = np.asarray([sizes[analysis.op_axes[o]] for o in self.row_op])
+        seconds: dict[int, float] = {}
+        for o, t in zip(self.row_op, self.rooflines.times(device, self.rows, divisor).tolist(),
+                        strict=True):
+            seconds[o] = seconds.get(o, 0.0) + t
+        # mesh_collective_time_s of each collective, memoised and shared between meshes.
+        comm = MeshCollectives(mesh, self.cluster, self.collective_cache)
+        for c in analysis.collectives:
+            seconds[c.op] = seconds.get(c.op, 0.0) + c.count * comm.collective(
+                c.kind, c.axes, c.result_bytes, combinable=c.op in self.combinable)
+        return seconds
+
+    def _layer_seconds(self, seconds: Mapping[int, float]
+                       ) -> tuple[dict[tuple[int, str], float], dict[tuple[int, str], float]]:
+        """Per (layer, phase) its share of ``seconds``; per (layer, policy) what it recomputes."""
+        graph = self.graph
+        phase: dict[tuple[int, str], float] = defaultdict(float)
+        recompute: dict[tuple[int, str], float] = defaultdict(float)
+        for op_id, (mine, shared_by) in self.owners.items():
+            s = seconds.get(op_id, 0.0)
+            if not s:
+                continue
+            share = s / shared_by
+            op_phase = graph.ops[op_id].phase
+            for index in mine:
+                mine_s = share / self.members[index]
+                phase[(index, op_phase)] += mine_s
+                for policy in self.recomputed[op_id]:
+                    recompute[(index, policy)] += mine_s
+        return phase, recompute
 
 
 def _placed_analysis(graph: OpGraph, layout: IntraOpLayout, mesh: LogicalMesh,

@@ -15,7 +15,7 @@ inside a node (the fastest link) and outer axes span nodes. Candidates follow th
   give the single candidate 2 × 4 (which also holds the 8-way and 4 × 2 plans). XLA agrees:
   a dimension split over adjacent axes compiles to the collectives of one axis of their
   product (Alpa's Megatron MLP on 2 × 2 is 5 all-reduces over all 4 devices, as on an axis
-  of 4: ``tests/test_alpa_mlp.py``). The refinement also has plans no coarser mesh has (2-D
+  of 4: ``tests/planner/test_alpa_mlp.py``). The refinement also has plans no coarser mesh has (2-D
   tensor parallelism: kernels split over ``outer`` × ``inner``, then ``inner`` × ``outer``),
   and these win where the cost model prices them cheaper.
 

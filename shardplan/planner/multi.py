@@ -32,6 +32,7 @@ from shardplan.plan.timeline import TIMELINE_COLUMNS
 from shardplan.planner.alternatives import LAYOUT_BASIS, leaf_alternatives, pipeline_runner_ups
 from shardplan.planner.decode import decode_constraints, decode_input_specs
 from shardplan.planner.layer_costs import LayerCosts
+from shardplan.planner.mesh import MeshChoice
 from shardplan.solver.stages.pipeline import (
     REMATS,
     SCHEDULES,
@@ -361,59 +362,119 @@ def _pipeline_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, costs: 
                    timings: dict[str, float], start: float,
                    accumulation: Sequence[str] = ()) -> Plan:
     """The :class:`Plan` of a stage-planner solution."""
-    from shardplan.planner.single import FINGERPRINT_SAMPLES, _version, graph_fingerprint
+    from shardplan.planner.single import _version, graph_fingerprint
 
+    pp = solution.plan
+    ev = solution.evaluation
+    placed = _place_stages(graph, cluster, costs, problem, solution)
+    replicas = placed.replicas
+    # what the gradient exchange between replicas that differ brings each stage (the
+    # runtime's stage: a class of identical replicas runs on its first member's)
+    exchange = {str(replicas[r][i]): math.ceil(b)
+                for (r, i), b in exchange_bytes(problem, pp).items()}
+    param_specs = _first_holders(graph, placed.stages, replicas[0], placed.layouts)
+    slowest = max(range(len(pp.replicas)), key=lambda r: ev.replica_time_s[r])
+    communication = ev.sync_s + sum(ev.hop_time_s[slowest])
+    predicted = Predicted(step_time_s=ev.step_time_s,
+                          compute_s=max(ev.step_time_s - communication, 0.0),
+                          communication_s=communication, memory_bytes=placed.memory,
+                          collectives={})
+    solver = _solver_record(cluster, costs, problem, solution, placed, exchange)
+    notes = [f"Layer cost tables solved at a reference microbatch of "
+             f"{costs.reference_batch} sample(s); times and activations scale linearly with "
+             "the microbatch size.",
+             "Collective counts are not predicted for pipeline plans yet: see each layout's "
+             "intra-op solution.", *accumulation]
+    if solution.simulation is not None:  # the simulator played this plan: keep its timeline
+        timings = _add_timeline(problem, pp, replicas, solver, notes, timings)
+    return Plan(
+        shardplan_version=_version(), graph_fingerprint=graph_fingerprint(graph),
+        cluster_hash=cluster.content_hash(), config_hash=config.content_hash(),
+        stages=tuple(placed.stages), param_specs=param_specs, batch_specs={},
+        microbatches=sum(r.microbatches for r in pp.replicas), schedule=pp.schedule,
+        accumulation=config.accumulation, microbatch_size=pp.microbatch_size, chunks=pp.chunks,
+        replicas=tuple(ReplicaSpec(tuple(s), rep.microbatches)
+                       for s, rep in zip(replicas, pp.replicas, strict=True)),
+        layouts=placed.layouts, predicted=predicted, solver=solver, notes=tuple(notes),
+        timings={**timings, "plan_s": time.perf_counter() - start})
+
+
+@dataclasses.dataclass(frozen=True)
+class _Placed:
+    """A stage-planner solution's stages on devices, with their layouts and figures.
+
+    Attributes:
+      stages: the Plan's stages, in pipeline order per replica.
+      replicas: per replica, the indices of its stages in ``stages``.
+      layouts: per layout name, the intra-op shardings.
+      alternatives: per layout name, its leaves' alternatives (for ``Plan.explain``).
+    """
+
+    stages: list[Stage]
+    replicas: list[list[int]]
+    layouts: dict[str, Layout]
+    alternatives: dict[str, dict[str, Any]]
+    memory: dict[int, int]
+    """Per device, its predicted peak bytes."""
+    resident: dict[str, int]
+    """Per stage, the bytes per device it keeps between steps."""
+    sync_bytes: dict[str, int]
+    """Per stage, the gradient bytes a device all-reduces (several replicas only)."""
+
+
+def _place_stages(graph: OpGraph, cluster: Cluster, costs: LayerCosts,
+                  problem: PipelineProblem, solution: PipelineChoice) -> _Placed:
+    """The solution's stages on devices, each with its layout and figures (:class:`_Placed`)."""
     pp = solution.plan
     ev = solution.evaluation
     flat = [(r, i, st) for r, rep in enumerate(pp.replicas) for i, st in enumerate(rep.stages)]
     ids = allocate_devices(cluster, [(st.group, st.devices) for _, _, st in flat])
     shared = [layer.name for layer in graph.layers if layer.kind == "shared"]
-    layouts: dict[str, Layout] = {}
-    alternatives: dict[str, dict[str, Any]] = {}
-    stages: list[Stage] = []
-    replicas: list[list[int]] = [[] for _ in pp.replicas]
-    memory: dict[int, int] = {}
-    resident: dict[str, int] = {}  # per stage, the bytes per device it keeps between steps
-    sync_bytes: dict[str, int] = {}  # per stage, the gradient bytes a device all-reduces
+    placed = _Placed([], [[] for _ in pp.replicas], {}, {}, {}, {}, {})
     for index, ((r, i, st), devices) in enumerate(zip(flat, ids, strict=True)):
         group = cluster.groups[st.group]
         intra = costs.choices[(st.group, st.devices)]
         mesh = intra.mesh
         name = _layout_name(group.name, mesh.axis_names, mesh.axis_sizes)
-        if name not in layouts:
-            specs = decode_input_specs(intra.problem, intra.solution)
-            kernels = {"/".join(map(str, path)): (results, operands) for path, (op, results,
-                       operands) in decode_constraints(graph, intra.problem,
-                                                       intra.solution).items()
-                       if graph.ops[op].primitive == KERNEL}
-            layouts[name] = Layout(
-                {p.path: specs[p.tensor] for p in graph.parameters if p.arg_index == 0},
-                {p.path: specs[p.tensor] for p in graph.parameters if p.arg_index == 1},
-                kernels)
-            alternatives[name] = leaf_alternatives(graph, intra.problem, intra.solution,
-                                                   basis=LAYOUT_BASIS)
-        stages.append(Stage(index=index, device_type=group.device.name,
-                            mesh=MeshSpec(mesh.axis_names, mesh.axis_sizes, devices),
-                            layers=tuple(costs.names[x] for x in st.layers) + tuple(shared),
-                            remat=st.remat, replica=r, layout=name))
-        replicas[r].append(index)
+        if name not in placed.layouts:
+            placed.layouts[name], placed.alternatives[name] = _layout_of(graph, intra)
+        placed.stages.append(Stage(index=index, device_type=group.device.name,
+                                   mesh=MeshSpec(mesh.axis_names, mesh.axis_sizes, devices),
+                                   layers=tuple(costs.names[x] for x in st.layers)
+                                   + tuple(shared),
+                                   remat=st.remat, replica=r, layout=name))
+        placed.replicas[r].append(index)
         for d in devices:
-            memory[d] = math.ceil(ev.memory_bytes[r][i])
+            placed.memory[d] = math.ceil(ev.memory_bytes[r][i])
         options = [problem.kinds[problem.layers[x]].option(st.group, st.devices)
                    for x in st.layers]
-        resident[str(index)] = math.ceil(sum(o.resident_bytes for o in options if o))
+        placed.resident[str(index)] = math.ceil(sum(o.resident_bytes for o in options if o))
         if len(pp.replicas) > 1:  # what one device of the stage all-reduces across replicas
-            sync_bytes[str(index)] = math.ceil(stage_sigma(problem, st))
-    # what the gradient exchange between replicas that differ brings each stage (the
-    # runtime's stage: a class of identical replicas runs on its first member's)
-    exchange = {str(replicas[r][i]): math.ceil(b)
-                for (r, i), b in exchange_bytes(problem, pp).items()}
-    param_specs = _first_holders(graph, stages, replicas[0], layouts)
-    slowest = max(range(len(pp.replicas)), key=lambda r: ev.replica_time_s[r])
-    communication = ev.sync_s + sum(ev.hop_time_s[slowest])
-    predicted = Predicted(step_time_s=ev.step_time_s,
-                          compute_s=max(ev.step_time_s - communication, 0.0),
-                          communication_s=communication, memory_bytes=memory, collectives={})
+            placed.sync_bytes[str(index)] = math.ceil(stage_sigma(problem, st))
+    return placed
+
+
+def _layout_of(graph: OpGraph, intra: MeshChoice) -> tuple[Layout, dict[str, Any]]:
+    """The :class:`Layout` of one intra-op solution, with its leaves' alternatives."""
+    specs = decode_input_specs(intra.problem, intra.solution)
+    kernels = {"/".join(map(str, path)): (results, operands) for path, (op, results,
+               operands) in decode_constraints(graph, intra.problem,
+                                               intra.solution).items()
+               if graph.ops[op].primitive == KERNEL}
+    layout = Layout(
+        {p.path: specs[p.tensor] for p in graph.parameters if p.arg_index == 0},
+        {p.path: specs[p.tensor] for p in graph.parameters if p.arg_index == 1},
+        kernels)
+    return layout, leaf_alternatives(graph, intra.problem, intra.solution, basis=LAYOUT_BASIS)
+
+
+def _solver_record(cluster: Cluster, costs: LayerCosts, problem: PipelineProblem,
+                   solution: PipelineChoice, placed: _Placed,
+                   exchange: dict[str, int]) -> dict[str, object]:
+    """``Plan.solver`` of a stage-planner solution (``docs/plan-format.md``)."""
+    from shardplan.planner.single import FINGERPRINT_SAMPLES
+
+    pp, ev = solution.plan, solution.evaluation
     stats, simulation = solution.stats, solution.simulation
     solver: dict[str, object] = {
         "status": "optimal" if stats.optimal else "feasible",
@@ -427,8 +488,8 @@ def _pipeline_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, costs: 
         "throughput_samples_per_s": ev.throughput,
         "configs": stats.configs, "labels": stats.labels, "shapes": stats.shapes,
         "states": stats.states,
-        "resident_bytes": resident,
-        "sync_bytes": sync_bytes,
+        "resident_bytes": placed.resident,
+        "sync_bytes": placed.sync_bytes,
         "exchange_bytes": exchange,
         # what the step's transfers between stages carry (activations forward, gradients back)
         "transfer_bytes": math.ceil(transfer_bytes(problem, pp)),
@@ -441,7 +502,7 @@ def _pipeline_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, costs: 
                        for c in solution.candidates},
         # for Plan.explain (planner/alternatives.py)
         "runner_ups": pipeline_runner_ups(solution, [g.device.name for g in cluster.groups]),
-        "alternatives": {"layouts": alternatives},
+        "alternatives": {"layouts": placed.alternatives},
         # the batch size the fingerprinted graph was traced at (check_plan traces there too)
         FINGERPRINT_SAMPLES: costs.reference_batch,
     }
@@ -451,31 +512,23 @@ def _pipeline_plan(graph: OpGraph, cluster: Cluster, config: PlanConfig, costs: 
             solver["work_limit_reached"] = problem.work_limit
         else:
             solver["time_limit_reached_s"] = problem.time_limit_s
-    notes = [f"Layer cost tables solved at a reference microbatch of "
-             f"{costs.reference_batch} sample(s); times and activations scale linearly with "
-             "the microbatch size.",
-             "Collective counts are not predicted for pipeline plans yet: see each layout's "
-             "intra-op solution.", *accumulation]
-    if simulation is not None:  # the simulator played this plan: keep its timeline
-        played = time.perf_counter()
-        timeline = pipeline_timeline(problem, pp, replicas)
-        timings = {**timings, "timeline_s": time.perf_counter() - played}
-        if timeline is not None:
-            solver["timeline"] = timeline
-        else:
-            notes.append(f"The simulator's timeline is not stored (solver.timeline): over "
-                         f"{TIMELINE_MAX_EVENTS:,} events even with one microbatch at each "
-                         "end of each distinct replica.")
-    return Plan(
-        shardplan_version=_version(), graph_fingerprint=graph_fingerprint(graph),
-        cluster_hash=cluster.content_hash(), config_hash=config.content_hash(),
-        stages=tuple(stages), param_specs=param_specs, batch_specs={},
-        microbatches=sum(r.microbatches for r in pp.replicas), schedule=pp.schedule,
-        accumulation=config.accumulation, microbatch_size=pp.microbatch_size, chunks=pp.chunks,
-        replicas=tuple(ReplicaSpec(tuple(s), rep.microbatches)
-                       for s, rep in zip(replicas, pp.replicas, strict=True)),
-        layouts=layouts, predicted=predicted, solver=solver, notes=tuple(notes),
-        timings={**timings, "plan_s": time.perf_counter() - start})
+    return solver
+
+
+def _add_timeline(problem: PipelineProblem, pp: PipelinePlan, replicas: list[list[int]],
+                  solver: dict[str, object], notes: list[str],
+                  timings: dict[str, float]) -> dict[str, float]:
+    """Stores the simulator's timeline in ``solver`` (or notes why not); the timings with it."""
+    played = time.perf_counter()
+    timeline = pipeline_timeline(problem, pp, replicas)
+    timings = {**timings, "timeline_s": time.perf_counter() - played}
+    if timeline is not None:
+        solver["timeline"] = timeline
+    else:
+        notes.append(f"The simulator's timeline is not stored (solver.timeline): over "
+                     f"{TIMELINE_MAX_EVENTS:,} events even with one microbatch at each "
+                     "end of each distinct replica.")
+    return timings
 
 
 def _timeline_rows(replica: Replica, chunks: int, window: int | None = None) -> int:

@@ -123,7 +123,7 @@ CompiledPeak = Callable[[Callable[..., Any], Plan, Any, Any], "int | None"]
 """``(train_step, plan, state, batch) -> bytes``: the largest per-device allocation XLA
 compiles a plan's programs to (None where the backend reports none). The runtime provides it
 (:func:`shardplan.runtime.verify.compiled_peak`); the public ``make_plan``
-(:mod:`shardplan.api.planning`) passes it in, so the planner never imports the runtime."""
+(:mod:`shardplan.api.wiring`) passes it in, so the planner never imports the runtime."""
 
 
 @stamped
@@ -133,7 +133,7 @@ def plan_step(train_step: Callable[..., Any], state: Any, batch: Any, /, *, clus
               annotations: Mapping[str, Sequence[Any]] | None = None,
               compiled_peak: CompiledPeak | None = None) -> Plan:
     """Plans ``train_step(state, batch)`` on ``cluster`` as :func:`shardplan.make_plan`
-    (:mod:`shardplan.api.planning`, which documents it) does, with the compiled-memory check
+    (:mod:`shardplan.api.wiring`, which documents it) does, with the compiled-memory check
     left to ``compiled_peak``.
 
     ``compiled_peak`` (None: no check) measures a one-mesh plan whose predicted peak comes
@@ -170,6 +170,30 @@ def plan_step(train_step: Callable[..., Any], state: Any, batch: Any, /, *, clus
                    "group"))
     graph = trace(train_step, state, batch)
     check_primitives(graph, strict=config.strict)
+    plan, choice = _plan_one_mesh(graph, train_step, state, batch, cluster, config, fixed,
+                                  compiled_peak)
+    # (warned here, not in _plan_one_mesh: the warning's stacklevel points at the caller)
+    _warn_time_limit(choice, config)
+    return plan
+
+
+def _plan_one_mesh(graph: OpGraph, train_step: Callable[..., Any], state: Any, batch: Any,
+                   cluster: Cluster, config: PlanConfig, fixed: Mapping[str, Spec] | None,
+                   compiled_peak: CompiledPeak | None) -> tuple[Plan, MeshChoice]:
+    """The one-mesh plan of ``graph`` within the memory budget, and its mesh choice.
+
+    The ILP bounds the arguments; the predicted peak adds the step's intermediates. Where it
+    exceeds the budget, the buffers live at the peak become a constraint of their own (a
+    cut: the values in whatever sharding the solver picks, the rest as they were), and the
+    problem is solved again with every cut so far. Each cut excludes the plan it came from.
+    On a cluster bound to local devices, a plan whose predicted peak comes near the budget
+    is compiled and XLA's figure checked too. Where the model fell short on a plan, the
+    model's budget drops below that plan's prediction, by its shortfall; where nothing fits
+    that, it bisects back up towards the failed plan's prediction.
+
+    Raises:
+      InfeasibleError: no sharding keeps the peak within the budget.
+    """
     group = cluster.groups[0]
     meshes = None
     axes = annotation_axes(fixed or {}, config.axis_rules)
@@ -180,14 +204,6 @@ def plan_step(train_step: Callable[..., Any], state: Any, batch: Any, /, *, clus
 
     budget = memory_budget(config, group.device.memory_bytes)
     reduce_scatter = group.device.name != "cpu"  # XLA:CPU keeps all-reduce + slice
-    # The ILP bounds the arguments; the predicted peak adds the step's intermediates. Where it
-    # exceeds the budget, the buffers live at the peak become a constraint of their own (a
-    # cut: the values in whatever sharding the solver picks, the rest as they were), and the
-    # problem is solved again with every cut so far. Each cut excludes the plan it came from.
-    # On a cluster bound to local devices, a plan whose predicted peak comes near the budget
-    # is compiled and XLA's figure checked too. Where the model fell short on a plan, the
-    # model's budget drops below that plan's prediction, by its shortfall; where nothing fits
-    # that, it bisects back up towards the failed plan's prediction.
     cuts: list[MemoryPeak] = []
     peaks: list[float] = []
     model_budget = budget
@@ -216,15 +232,13 @@ def plan_step(train_step: Callable[..., Any], state: Any, batch: Any, /, *, clus
             continue
         if compiled_peak is None or cluster.devices is None or (
                 predicted < VERIFY_FRACTION * budget):
-            _warn_time_limit(choice, config)
-            return plan
+            return plan, choice
         compiled = compiled_peak(train_step, plan, state, batch)
         if compiled is None or compiled <= budget:
             if compiled is not None:
                 plan = dataclasses.replace(plan, solver={**plan.solver,
                                                          "compiled_peak_bytes": compiled})
-            _warn_time_limit(choice, config)
-            return plan
+            return plan, choice
         peaks.append(compiled)
         failed_at = min(failed_at, predicted)
         model_budget = max(predicted - (compiled - budget),

@@ -158,26 +158,7 @@ def _split(train_step: Callable[..., Any], state: Any, batch: Any, /, *,
     jaxpr = closed.jaxpr
     n_state, n_batch = len(jax.tree.leaves(state)), len(jax.tree.leaves(batch))
     eqns = list(jaxpr.eqns)
-    batch_dep = set(jaxpr.invars[n_state:n_state + n_batch])
-    update_dep: set[Any] = set()
-    part: list[str] = []
-    for e in eqns:
-        ins = [v for v in e.invars if _is_var(v)]
-        phase = autodiff_phase(e)
-        reads_batch = any(v in batch_dep for v in ins)
-        if phase is not None:
-            where = "gradient"
-        elif any(v in update_dep for v in ins):
-            where = "update"
-        elif reads_batch:
-            where = "gradient"
-        else:
-            where = "state"
-        if phase == "backward" or where == "update":
-            update_dep.update(e.outvars)
-        if phase is not None or reads_batch:
-            batch_dep.update(e.outvars)
-        part.append(where)
+    part = _equation_parts(eqns, set(jaxpr.invars[n_state:n_state + n_batch]))
     if "gradient" not in part or not (evaluation or any(autodiff_phase(e) == "backward"
                                                         for e in eqns)):
         raise PipelineError(format_error(
@@ -186,23 +167,12 @@ def _split(train_step: Callable[..., Any], state: Any, batch: Any, /, *,
             remedy="compute the gradients inside the step with jax.value_and_grad / jax.grad "
                    "(or nnx.value_and_grad)"))
     producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
-
-    def with_state_inputs(seeds: Sequence[int]) -> list[int]:
-        """``seeds`` and the state-only equations they read, transitively, in order."""
-        keep, todo = set(seeds), list(seeds)
-        while todo:
-            for v in eqns[todo.pop()].invars:
-                j = producer.get(v) if _is_var(v) else None
-                if j is not None and part[j] == "state" and j not in keep:
-                    keep.add(j)
-                    todo.append(j)
-        return sorted(keep)
-
     outs = [v for v in jaxpr.outvars if _is_var(v)]
-    grad_idx = with_state_inputs([i for i, p in enumerate(part) if p == "gradient"])
+    grad_idx = _with_state_inputs(eqns, producer, part,
+                                  [i for i, p in enumerate(part) if p == "gradient"])
     update_seeds = [i for i, p in enumerate(part) if p == "update"]
     update_seeds += [producer[v] for v in outs if v in producer and part[producer[v]] == "state"]
-    update_idx = with_state_inputs(update_seeds)
+    update_idx = _with_state_inputs(eqns, producer, part, update_seeds)
     in_gradient = {i for i in grad_idx if part[i] == "gradient"}
     cut: list[Any] = []
     for v in [v for i in update_idx for v in eqns[i].invars] + outs:
@@ -223,6 +193,43 @@ def _split(train_step: Callable[..., Any], state: Any, batch: Any, /, *,
                      tuple(v.aval for v in cut), out_tree,
                      tuple(autodiff_phase(eqns[producer[v]]) == "backward" for v in cut),
                      len(grad_idx), len(update_idx), tuple(grad_idx))
+
+
+def _equation_parts(eqns: Sequence[Any], batch_dep: set[Any]) -> list[str]:
+    """Per equation, its part: gradient, update or state (``batch_dep`` gains batch values)."""
+    update_dep: set[Any] = set()
+    part: list[str] = []
+    for e in eqns:
+        ins = [v for v in e.invars if _is_var(v)]
+        phase = autodiff_phase(e)
+        reads_batch = any(v in batch_dep for v in ins)
+        if phase is not None:
+            where = "gradient"
+        elif any(v in update_dep for v in ins):
+            where = "update"
+        elif reads_batch:
+            where = "gradient"
+        else:
+            where = "state"
+        if phase == "backward" or where == "update":
+            update_dep.update(e.outvars)
+        if phase is not None or reads_batch:
+            batch_dep.update(e.outvars)
+        part.append(where)
+    return part
+
+
+def _with_state_inputs(eqns: Sequence[Any], producer: Mapping[Any, int], part: Sequence[str],
+                       seeds: Sequence[int]) -> list[int]:
+    """``seeds`` and the state-only equations they read, transitively, in order."""
+    keep, todo = set(seeds), list(seeds)
+    while todo:
+        for v in eqns[todo.pop()].invars:
+            j = producer.get(v) if _is_var(v) else None
+            if j is not None and part[j] == "state" and j not in keep:
+                keep.add(j)
+                todo.append(j)
+    return sorted(keep)
 
 
 def _describe_cut(split: StepSplit, i: int) -> str:

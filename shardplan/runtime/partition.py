@@ -247,8 +247,10 @@ def _programs(jaxpr: Any, consts: Sequence[Any], eqns: Sequence[Any],
                 if _is_var(v) and v not in defined and v not in inputs \
                         and v not in jaxpr.constvars:
                     inputs.append(v)
-        outputs = sorted((v for v in defined if keep(v, g)), key=lambda v: (
-            next(i for i in mine if v in eqns[i].outvars), str(v)))
+        # by the item that makes each and its place among that item's results: a jax Var's
+        # and a _Piece's str() hold its id(), which would order them differently per run
+        outputs = sorted((v for v in defined if keep(v, g)), key=lambda v: next(
+            (i, list(eqns[i].outvars).index(v)) for i in mine if v in eqns[i].outvars))
         shardings = None if out_sharding is None else [out_sharding(v, stage) for v in outputs]
         plain = [eqns[i].eqn if isinstance(eqns[i], _Item) else eqns[i] for i in mine
                  if not isinstance(eqns[i], _Item) or eqns[i].kind == "eqn"]
@@ -335,57 +337,84 @@ def _cut_scans(eqns: Sequence[Any], names: Sequence[frozenset[str]], virtual: Vi
         items.append(_Item("join", None, tuple(parts_of[r] for r in sorted(parts_of)), (v,),
                            frozenset()))
     for e, label in zip(eqns, names, strict=True):
-        held = {virtual.owner[n] for n in label if n in virtual.owner}
-        rows = next((tuple(layers) for layers, _ in stacks.values() if label <= set(layers)),
-                    None)
-        if e.primitive.name == "scan":
-            # The trace gives a loop's ops no top-level equation: a scan is over a stack when
-            # it reads the stack's stacked leaves, or a cut scan's rows (its transpose).
-            xs = [x for x in e.invars[e.params["num_consts"] + e.params["num_carry"]:]
-                  if _is_var(x)]
-            found = [tuple(layers) for layers, leaves in stacks.values()
-                     if len(layers) == e.params["length"]
-                     and any(state_leaf.get(x) in leaves for x in xs)]
-            found += [stacked[x] for x in xs if x in stacked]
-            if found:
-                rows = found[0]
-                held = {virtual.owner[n] for n in rows if n in virtual.owner}
-        if len(held) > 1 and rows is not None and e.primitive.name != "scan":
-            # An op the trace gives a whole stack (one reading the stack's final carry): it
-            # follows the values it reads.
-            label = frozenset()
+        label, held, rows = _stack_rows(e, label, virtual, stacks, state_leaf, stacked)
         if (len(held) < 2 or e.primitive.name != "scan" or rows is None
                 or e.params["length"] != len(rows)):
             items.append(_Item("eqn", e, tuple(e.invars), tuple(e.outvars), label))
             continue
-        nc, ncar = e.params["num_consts"], e.params["num_carry"]
-        consts, carry, xs = e.invars[:nc], e.invars[nc:nc + ncar], e.invars[nc + ncar:]
-        runs = row_runs(rows, virtual.owner)
-        parts: list[list[tuple[int, int, Any]]] = [[] for _ in e.outvars[ncar:]]
-        for a, b in (reversed(runs) if e.params["reverse"] else runs):
-            seg_xs = [pieces.get(x, {}).get((a, b)) if _is_var(x) else None for x in xs]
-            carry_out = [_Piece(v.aval) for v in e.outvars[:ncar]]
-            ys = [_Piece(v.aval.update(shape=(b - a, *v.aval.shape[1:])))
-                  for v in e.outvars[ncar:]]
-            items.append(_Item(
-                "segment", e, (*consts, *carry, *(p if p is not None else x
-                                                  for p, x in zip(seg_xs, xs, strict=True))),
-                (*carry_out, *ys), frozenset(rows[a:b]), (a, b),
-                (False,) * (nc + ncar) + tuple(p is None for p in seg_xs)))
-            carry = carry_out
-            for k, y in enumerate(ys):
-                parts[k].append((a, b, y))
-        for v, p in zip(e.outvars[:ncar], carry, strict=True):
-            items.append(_Item("join", None, (p,), (v,), frozenset()))
-        for v, ps in zip(e.outvars[ncar:], parts, strict=True):
-            ps.sort(key=lambda t: t[0])
-            pieces[v] = {(a, b): y for a, b, y in ps}
-            stacked[v] = rows
-            items.append(_Item("join", None, tuple(y for _, _, y in ps), (v,), frozenset()))
+        items.extend(_segments(e, rows, row_runs(rows, virtual.owner), pieces, stacked))
     if cut_runs is None:
         cut_runs = {k: tuple(sorted(pieces[v])) for k, v in enumerate(outputs)
                     if _is_var(v) and v in pieces and len(pieces[v]) > 1}
+    handed, sliced = _handed_pieces(outputs, cut_runs, pieces)
+    items.extend(sliced)
+    return _read_items(items, handed), handed, dict(cut_runs)
+
+
+def _stack_rows(e: Any, label: frozenset[str], virtual: VirtualStages,
+                stacks: Mapping[str, tuple[Sequence[str], frozenset[int]]],
+                state_leaf: Mapping[Any, int], stacked: Mapping[Any, tuple[str, ...]],
+                ) -> tuple[frozenset[str], set[int], tuple[str, ...] | None]:
+    """``e``'s label (emptied over a whole stack), its virtual stages, its stack's rows or None."""
+    held = {virtual.owner[n] for n in label if n in virtual.owner}
+    rows = next((tuple(layers) for layers, _ in stacks.values() if label <= set(layers)),
+                None)
+    if e.primitive.name == "scan":
+        # The trace gives a loop's ops no top-level equation: a scan is over a stack when
+        # it reads the stack's stacked leaves, or a cut scan's rows (its transpose).
+        xs = [x for x in e.invars[e.params["num_consts"] + e.params["num_carry"]:]
+              if _is_var(x)]
+        found = [tuple(layers) for layers, leaves in stacks.values()
+                 if len(layers) == e.params["length"]
+                 and any(state_leaf.get(x) in leaves for x in xs)]
+        found += [stacked[x] for x in xs if x in stacked]
+        if found:
+            rows = found[0]
+            held = {virtual.owner[n] for n in rows if n in virtual.owner}
+    if len(held) > 1 and rows is not None and e.primitive.name != "scan":
+        # An op the trace gives a whole stack (one reading the stack's final carry): it
+        # follows the values it reads.
+        label = frozenset()
+    return label, held, rows
+
+
+def _segments(e: Any, rows: tuple[str, ...], runs: Runs,
+              pieces: dict[Any, dict[tuple[int, int], Any]],
+              stacked: dict[Any, tuple[str, ...]]) -> list[_Item]:
+    """The items of scan ``e`` cut into one segment per run, then its joins; records its pieces."""
+    items: list[_Item] = []
+    nc, ncar = e.params["num_consts"], e.params["num_carry"]
+    consts, carry, xs = e.invars[:nc], e.invars[nc:nc + ncar], e.invars[nc + ncar:]
+    parts: list[list[tuple[int, int, Any]]] = [[] for _ in e.outvars[ncar:]]
+    for a, b in (reversed(runs) if e.params["reverse"] else runs):
+        seg_xs = [pieces.get(x, {}).get((a, b)) if _is_var(x) else None for x in xs]
+        carry_out = [_Piece(v.aval) for v in e.outvars[:ncar]]
+        ys = [_Piece(v.aval.update(shape=(b - a, *v.aval.shape[1:])))
+              for v in e.outvars[ncar:]]
+        items.append(_Item(
+            "segment", e, (*consts, *carry, *(p if p is not None else x
+                                              for p, x in zip(seg_xs, xs, strict=True))),
+            (*carry_out, *ys), frozenset(rows[a:b]), (a, b),
+            (False,) * (nc + ncar) + tuple(p is None for p in seg_xs)))
+        carry = carry_out
+        for k, y in enumerate(ys):
+            parts[k].append((a, b, y))
+    for v, p in zip(e.outvars[:ncar], carry, strict=True):
+        items.append(_Item("join", None, (p,), (v,), frozenset()))
+    for v, ps in zip(e.outvars[ncar:], parts, strict=True):
+        ps.sort(key=lambda t: t[0])
+        pieces[v] = {(a, b): y for a, b, y in ps}
+        stacked[v] = rows
+        items.append(_Item("join", None, tuple(y for _, _, y in ps), (v,), frozenset()))
+    return items
+
+
+def _handed_pieces(outputs: Sequence[Any], cut_runs: Mapping[int, Runs],
+                   pieces: dict[Any, dict[tuple[int, int], Any]],
+                   ) -> tuple[list[Any], list[_Item]]:
+    """The outputs as handed on (runs as pieces), and the ``rows`` items slicing missing pieces."""
     handed: list[Any] = []
+    sliced: list[_Item] = []
     for k, v in enumerate(outputs):
         if k not in cut_runs:
             handed.append(v)
@@ -394,8 +423,13 @@ def _cut_scans(eqns: Sequence[Any], names: Sequence[frozenset[str]], virtual: Vi
         for a, b in cut_runs[k]:
             if (a, b) not in mine:  # rows of another cut: sliced where the value is
                 mine[a, b] = _Piece(v.aval.update(shape=(b - a, *v.aval.shape[1:])))
-                items.append(_Item("rows", None, (v,), (mine[a, b],), frozenset(), (a, b)))
+                sliced.append(_Item("rows", None, (v,), (mine[a, b],), frozenset(), (a, b)))
             handed.append(mine[a, b])
+    return handed, sliced
+
+
+def _read_items(items: Sequence[_Item], handed: Sequence[Any]) -> list[_Item]:
+    """``items`` without the joins whose results neither ``handed`` nor a later item reads."""
     needed = {v for v in handed if _is_var(v)}
     kept: list[_Item] = []
     for item in reversed(items):
@@ -403,7 +437,7 @@ def _cut_scans(eqns: Sequence[Any], names: Sequence[frozenset[str]], virtual: Vi
             continue
         kept.append(item)
         needed.update(v for v in item.invars if _is_var(v))
-    return kept[::-1], handed, dict(cut_runs)
+    return kept[::-1]
 
 
 def _pinned_bind(pins: Pins | None, pinned: Mapping[int, tuple[int, ...]]
@@ -506,13 +540,73 @@ def gradient_programs(split: StepSplit, labels: Mapping[tuple[int, ...], frozens
     jaxpr, paths = _inline_calls(split.gradient.jaxpr, [(i,) for i in split.gradient_index])
     big_k = virtual.count
     rows = rows or RowSplit(n_state, {})
+    sources, state_pieces = _gradient_sources(jaxpr, n_state, rows, stacks or {})
+    eqns, outvars, runs = _cut_scans(
+        jaxpr.eqns, [labels.get(p, frozenset()) for p in paths], virtual, stacks or {},
+        {v: j for j, v in enumerate(jaxpr.invars[:n_state])}, jaxpr.outvars, state_pieces,
+        cut_runs if cut_runs is not None or rows.runs else {})
+    producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+    order = _task_order(eqns, producer, virtual)
+    readers: dict[Any, list[int]] = {}  # value -> equations reading it
+    for i, e in enumerate(eqns):
+        for v in e.invars:
+            if _is_var(v) and v in producer:
+                readers.setdefault(v, []).append(i)
+    # Equations of no stage that read only the state and the batch: the earliest reader.
+    for i in range(len(eqns) - 1, -1, -1):
+        if order[i] is None:
+            later = [o for v in eqns[i].outvars for j in readers.get(v, ())
+                     if (o := order[j]) is not None]
+            order[i] = min(later) if later else 2 * big_k - 1
+    missing = [v for v in outvars if not _is_var(v) or v not in producer]
+    if missing:
+        raise PipelineError(format_error(
+            "A value the update reads is not computed by the forward or backward pass.",
+            where="the gradient part's outputs", value=[str(v) for v in missing],
+            remedy="compute every returned metric from the batch or the gradients"))
+    groups = [(o, virtual.stages[virtual.position[o if o < big_k else 2 * big_k - 1 - o]])
+              for o in range(2 * big_k)]
+    group_of = [int(o) for o in order if o is not None]
+    again = _run_again(eqns, group_of, producer, jaxpr, paths, virtual, remat, rerun)
+    # Per equation, the tasks that run it: its own, and those running it again.
+    runs_of: dict[int, set[int]] = {i: {g} for i, g in enumerate(group_of)}
+    for g, extra in again.items():
+        for i in extra:
+            runs_of[i].add(g)
+    terms = _cross_stage_terms(eqns, group_of, producer, readers, outvars,
+                               [stage for _, stage in groups])
+    for v, parts in terms.items():  # the adds joining terms of several stages: not run
+        for i in _sum_tree(v, eqns, producer, readers, outvars, parts):
+            group_of[i] = -1
+    term_of = {t: v for v, parts in terms.items() for t in parts}
+    cut = (set(outvars) - set(terms)) | set(term_of)
+
+    def keep(v: Any, g: int) -> bool:
+        # Only the task that owns an equation hands its results on, to the tasks that read
+        # them without running the equation themselves.
+        i = producer[v]
+        return group_of[i] == g and (v in cut or any(
+            h != g and h not in runs_of[i] for j in readers.get(v, ()) for h in runs_of[j]))
+
+    programs = _programs(jaxpr, split.gradient.consts, eqns, groups, group_of, sources, keep,
+                         again=again, pins=pins,
+                         path_of={id(e): p for e, p in zip(jaxpr.eqns, paths, strict=True)})
+    return [dataclasses.replace(p, terms={v: term_of[v] for v in p.outputs if v in term_of})
+            if any(v in term_of for v in p.outputs) else p for p in programs], outvars, runs
+
+
+def _gradient_sources(jaxpr: Any, n_state: int, rows: RowSplit,
+                      stacks: Mapping[str, tuple[Sequence[str], frozenset[int]]],
+                      ) -> tuple[dict[Any, Input],
+                                 dict[Any, tuple[tuple[str, ...], dict[tuple[int, int], Any]]]]:
+    """Where each input of the gradient part comes from, and the state leaves held as pieces."""
     state_pieces: dict[Any, tuple[tuple[str, ...], dict[tuple[int, int], Any]]] = {}
     sources: dict[Any, Input] = {}
     for j, v in enumerate(jaxpr.invars[:n_state]):
         if j not in rows.runs:
             sources[v] = ("state", rows.index(j))
             continue
-        stack = next((tuple(layers) for layers, leaves in (stacks or {}).values()
+        stack = next((tuple(layers) for layers, leaves in stacks.values()
                       if j in leaves), None)
         if stack is None:  # (optimizer state of a stacked leaf: the gradient does not read it)
             continue
@@ -521,11 +615,18 @@ def gradient_programs(split: StepSplit, labels: Mapping[tuple[int, ...], frozens
         state_pieces[v] = (stack, row_parts)
         sources.update({p: ("state", rows.index(j, r)) for r, p in row_parts.items()})
     sources.update({v: ("batch", j) for j, v in enumerate(jaxpr.invars[n_state:])})
-    eqns, outvars, runs = _cut_scans(
-        jaxpr.eqns, [labels.get(p, frozenset()) for p in paths], virtual, stacks or {},
-        {v: j for j, v in enumerate(jaxpr.invars[:n_state])}, jaxpr.outvars, state_pieces,
-        cut_runs if cut_runs is not None or rows.runs else {})
-    producer = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+    return sources, state_pieces
+
+
+def _task_order(eqns: Sequence[_Item], producer: Mapping[Any, int],
+                virtual: VirtualStages) -> list[int | None]:
+    """Per item, its task's position in ``F_0 .. B_0``, or None where nothing decides it.
+
+    Raises:
+      PipelineError: an equation belongs to layers of several virtual stages, or reads a value
+        of a later one.
+    """
+    big_k = virtual.count
     order: list[int | None] = []
     for i, e in enumerate(eqns):
         names = e.names
@@ -552,26 +653,16 @@ def gradient_programs(split: StepSplit, labels: Mapping[tuple[int, ...], frozens
             order.append(o)
         else:
             order.append(earliest)
-    readers: dict[Any, list[int]] = {}  # value -> equations reading it
-    for i, e in enumerate(eqns):
-        for v in e.invars:
-            if _is_var(v) and v in producer:
-                readers.setdefault(v, []).append(i)
-    # Equations of no stage that read only the state and the batch: the earliest reader.
-    for i in range(len(eqns) - 1, -1, -1):
-        if order[i] is None:
-            later = [o for v in eqns[i].outvars for j in readers.get(v, ())
-                     if (o := order[j]) is not None]
-            order[i] = min(later) if later else 2 * big_k - 1
-    missing = [v for v in outvars if not _is_var(v) or v not in producer]
-    if missing:
-        raise PipelineError(format_error(
-            "A value the update reads is not computed by the forward or backward pass.",
-            where="the gradient part's outputs", value=[str(v) for v in missing],
-            remedy="compute every returned metric from the batch or the gradients"))
-    groups = [(o, virtual.stages[virtual.position[o if o < big_k else 2 * big_k - 1 - o]])
-              for o in range(2 * big_k)]
-    group_of = [int(o) for o in order if o is not None]
+    return order
+
+
+def _run_again(eqns: Sequence[_Item], group_of: Sequence[int], producer: Mapping[Any, int],
+               jaxpr: Any, paths: Sequence[tuple[int, ...]], virtual: VirtualStages,
+               remat: Mapping[int, str] | None,
+               rerun: Mapping[str, Collection[tuple[int, ...]]] | None,
+               ) -> dict[int, list[int]]:
+    """Per task, the equations of other tasks it reruns: its remat policy's, constants it reads."""
+    big_k = virtual.count
     ids = {policy: {id(e) for e, p in zip(jaxpr.eqns, paths, strict=True) if p in chosen}
            for policy, chosen in ((k, set(c)) for k, c in (rerun or {}).items())}
     again = _recomputed(eqns, group_of, producer, big_k, [
@@ -580,31 +671,7 @@ def gradient_programs(split: StepSplit, labels: Mapping[tuple[int, ...], frozens
     for g, constants in _constants_read(eqns, group_of, producer, jaxpr.constvars,
                                         again).items():
         again[g] = sorted(set(again.get(g, ())) | constants)
-    # Per equation, the tasks that run it: its own, and those running it again.
-    runs_of: dict[int, set[int]] = {i: {g} for i, g in enumerate(group_of)}
-    for g, extra in again.items():
-        for i in extra:
-            runs_of[i].add(g)
-    terms = _cross_stage_terms(eqns, group_of, producer, readers, outvars,
-                               [stage for _, stage in groups])
-    for v, parts in terms.items():  # the adds joining terms of several stages: not run
-        for i in _sum_tree(v, eqns, producer, readers, outvars, parts):
-            group_of[i] = -1
-    term_of = {t: v for v, parts in terms.items() for t in parts}
-    cut = (set(outvars) - set(terms)) | set(term_of)
-
-    def keep(v: Any, g: int) -> bool:
-        # Only the task that owns an equation hands its results on, to the tasks that read
-        # them without running the equation themselves.
-        i = producer[v]
-        return group_of[i] == g and (v in cut or any(
-            h != g and h not in runs_of[i] for j in readers.get(v, ()) for h in runs_of[j]))
-
-    programs = _programs(jaxpr, split.gradient.consts, eqns, groups, group_of, sources, keep,
-                         again=again, pins=pins,
-                         path_of={id(e): p for e, p in zip(jaxpr.eqns, paths, strict=True)})
-    return [dataclasses.replace(p, terms={v: term_of[v] for v in p.outputs if v in term_of})
-            if any(v in term_of for v in p.outputs) else p for p in programs], outvars, runs
+    return again
 
 
 def _sum_tree(v: Any, eqns: Sequence[_Item], producer: Mapping[Any, int],
@@ -757,77 +824,15 @@ def update_programs(split: StepSplit, read_at: Mapping[int, int], cut_at: Sequen
     at.update({v: s for v, s in zip(jaxpr.invars[n_state:], cut_at, strict=True)})
     position = {s: i for i, s in enumerate(dict.fromkeys([default, *cut_at,
                                                            *read_at.values()]))}
-
-    def nbytes(v: Any) -> int:
-        return array_nbytes(v.aval.shape, v.aval.dtype)
-
-    def pick(e: Any) -> int | None:
-        weight: dict[int, int] = {}
-        for v in e.invars:
-            if _is_var(v) and v in at:
-                weight[at[v]] = weight.get(at[v], 0) + nbytes(v) + 1
-        if not weight:
-            return None
-        return max(weight, key=lambda s: (weight[s], -position.get(s, len(position))))
-
-    # Optimizer state adopts the stage of its first placed reader: stages spread forward from
-    # what is placed, and back from placed readers (``mu * b1`` reads only ``mu``; the ``add``
-    # with the gradient's share places it), until nothing changes.
-    stage_of: list[int | None] = [None] * len(eqns)
     readers: dict[Any, list[int]] = {}
     for i, e in enumerate(eqns):
         for v in e.invars:
             if _is_var(v):
                 readers.setdefault(v, []).append(i)
-
-    def place(i: int, s: int) -> None:
-        stage_of[i] = s
-        for v in eqns[i].invars:
-            if _is_var(v) and v in state_index and v not in at:
-                at[v] = s
-        at.update({v: s for v in eqns[i].outvars})
-
-    changed = True
-    while changed:
-        changed = False
-        for i, e in enumerate(eqns):
-            if stage_of[i] is None and (s := pick(e)) is not None:
-                place(i, s)
-                changed = True
-        for i in range(len(eqns) - 1, -1, -1):
-            if stage_of[i] is None:
-                later = [t for v in eqns[i].outvars for r in readers.get(v, ())
-                         if (t := stage_of[r]) is not None]
-                if later:
-                    place(i, later[0])
-                    changed = True
+    stage_of = _placed(eqns, at, position, readers, state_index)
     home = [at.get(v, default) for v in jaxpr.invars[:n_state]]
     at = {v: s for v, s in zip(jaxpr.invars, [*home, *cut_at], strict=True)}
-    # Levels: as soon as possible (a crossing starts the next level) gives the number of
-    # levels; then every equation moves to the latest level its readers allow, so a level
-    # holds only what the crossings need (a norm's partial sums, a counter) and everything
-    # else runs in the last level: no parameter-sized value passes between levels.
-    level: dict[Any, int] = {}
-    stages: list[int] = []
-    for i, e in enumerate(eqns):
-        s = pick(e)
-        s = stage_of[i] if s is None else s
-        s = default if s is None else s
-        lv = max([level[v] + (at[v] != s) for v in e.invars if _is_var(v) and v in level],
-                 default=0)
-        stages.append(s)
-        at.update({v: s for v in e.outvars})
-        level.update({v: lv for v in e.outvars})
-    last_level = max(level.values(), default=0)
-    latest = [last_level] * len(eqns)
-    for i in range(len(eqns) - 1, -1, -1):
-        for v in eqns[i].outvars:
-            for r in readers.get(v, ()):
-                latest[i] = min(latest[i], latest[r] - (stages[r] != stages[i]))
-    keys = list(zip(latest, stages, strict=True))
-    groups = sorted(set(keys), key=lambda g: (g[0], position.get(g[1], len(position)), g[1]))
-    index = {g: n for n, g in enumerate(groups)}
-    group_of = [index[key] for key in keys]
+    groups, group_of = _level_groups(eqns, stage_of, at, position, readers, default)
     group_readers: dict[Any, set[int]] = {}
     for e, g in zip(eqns, group_of, strict=True):
         for v in e.invars:
@@ -857,6 +862,87 @@ def update_programs(split: StepSplit, read_at: Mapping[int, int], cut_at: Sequen
             where.append(("value", v, produced[v]))
         else:
             where.append(sources[v])
+    return build(_donated(programs, where)), where, home
+
+
+def _heaviest(e: Any, at: Mapping[Any, int], position: Mapping[int, int]) -> int | None:
+    """The stage holding most of the bytes ``e`` reads (earliest on ties); None: nothing placed."""
+    weight: dict[int, int] = {}
+    for v in e.invars:
+        if _is_var(v) and v in at:
+            weight[at[v]] = weight.get(at[v], 0) + array_nbytes(v.aval.shape, v.aval.dtype) + 1
+    if not weight:
+        return None
+    return max(weight, key=lambda s: (weight[s], -position.get(s, len(position))))
+
+
+def _placed(eqns: Sequence[Any], at: dict[Any, int], position: Mapping[int, int],
+            readers: Mapping[Any, Sequence[int]], state_index: Mapping[Any, int],
+            ) -> list[int | None]:
+    """Per update equation, its stage (None: unplaced); ``at`` gains the stages placed."""
+    # Optimizer state adopts the stage of its first placed reader: stages spread forward from
+    # what is placed, and back from placed readers (``mu * b1`` reads only ``mu``; the ``add``
+    # with the gradient's share places it), until nothing changes.
+    stage_of: list[int | None] = [None] * len(eqns)
+
+    def place(i: int, s: int) -> None:
+        stage_of[i] = s
+        for v in eqns[i].invars:
+            if _is_var(v) and v in state_index and v not in at:
+                at[v] = s
+        at.update({v: s for v in eqns[i].outvars})
+
+    changed = True
+    while changed:
+        changed = False
+        for i, e in enumerate(eqns):
+            if stage_of[i] is None and (s := _heaviest(e, at, position)) is not None:
+                place(i, s)
+                changed = True
+        for i in range(len(eqns) - 1, -1, -1):
+            if stage_of[i] is None:
+                later = [t for v in eqns[i].outvars for r in readers.get(v, ())
+                         if (t := stage_of[r]) is not None]
+                if later:
+                    place(i, later[0])
+                    changed = True
+    return stage_of
+
+
+def _level_groups(eqns: Sequence[Any], stage_of: Sequence[int | None], at: dict[Any, int],
+                  position: Mapping[int, int], readers: Mapping[Any, Sequence[int]],
+                  default: int) -> tuple[list[tuple[int, int]], list[int]]:
+    """The ``(level, stage)`` groups in run order, and each equation's; ``at`` gains stages."""
+    # Levels: as soon as possible (a crossing starts the next level) gives the number of
+    # levels; then every equation moves to the latest level its readers allow, so a level
+    # holds only what the crossings need (a norm's partial sums, a counter) and everything
+    # else runs in the last level: no parameter-sized value passes between levels.
+    level: dict[Any, int] = {}
+    stages: list[int] = []
+    for i, e in enumerate(eqns):
+        s = _heaviest(e, at, position)
+        s = stage_of[i] if s is None else s
+        s = default if s is None else s
+        lv = max([level[v] + (at[v] != s) for v in e.invars if _is_var(v) and v in level],
+                 default=0)
+        stages.append(s)
+        at.update({v: s for v in e.outvars})
+        level.update({v: lv for v in e.outvars})
+    last_level = max(level.values(), default=0)
+    latest = [last_level] * len(eqns)
+    for i in range(len(eqns) - 1, -1, -1):
+        for v in eqns[i].outvars:
+            for r in readers.get(v, ()):
+                latest[i] = min(latest[i], latest[r] - (stages[r] != stages[i]))
+    keys = list(zip(latest, stages, strict=True))
+    groups = sorted(set(keys), key=lambda g: (g[0], position.get(g[1], len(position)), g[1]))
+    index = {g: n for n, g in enumerate(groups)}
+    return groups, [index[key] for key in keys]
+
+
+def _donated(programs: Sequence[Program], where: Sequence[Any],
+             ) -> dict[tuple[int, int], tuple[int, ...]]:
+    """Per update program ``(level, stage)``, the arguments it donates."""
     # A state leaf's copy on a stage is donated to the last update program there that reads
     # it, unless the step returns the leaf unchanged: the new state reuses the old one's
     # buffers, as in the one-program step (jit is lazy: building the programs again is free).
@@ -870,4 +956,4 @@ def update_programs(split: StepSplit, read_at: Mapping[int, int], cut_at: Sequen
     for (_, j), (group, a) in last.items():
         if j not in unchanged:
             donate[group] = (*donate.get(group, ()), a)
-    return build(donate), where, home
+    return donate

@@ -497,33 +497,8 @@ class PipelinedStep:
         virtual = [virtual_stages([plan.stages[i].layers for i in r.stages], r.stages,
                                   layer_order, chunks) for r in self._replicas]
         remat = {st.index: st.remat for st in plan.stages}
-        shardings = {}
-        pins: dict[int, Pins] = {}
-        for st in plan.stages:
-            layout = plan.layouts[st.layout] if st.layout else Layout(
-                {k: spec for k, (_, spec) in plan.param_specs.items()}, plan.batch_specs)
-            if layout.kernel_specs:  # the stage's kernel calls run split (constrain.Pins)
-                pins[st.index] = Pins.of({parse_path(k): v for k, v in
-                                          layout.kernel_specs.items()}, self._meshes[st.index])
-            batch_specs = (self._form.batch_specs(layout.batch_specs)
-                           if self._form is not None else layout.batch_specs)
-            shardings[st.index] = (
-                jax.tree.leaves(leaf_shardings(state, layout.param_specs,
-                                               self._meshes[st.index], "state")),
-                jax.tree.leaves(leaf_shardings(parts[0], batch_specs,
-                                               self._meshes[st.index], "batch")))
-        for s, (state_sh, batch_sh) in shardings.items():
-            if REPLICA in self._meshes[s].axis_names:  # the members' microbatches, joined
-                shardings[s] = (state_sh, [NamedSharding(x.mesh, P(_joined_axis(x.spec),
-                                                                   *x.spec[1:]))
-                                           for x in batch_sh])
-        size = int(np.shape(jax.tree.leaves(parts[0])[0])[0])  # one member's microbatch
-        for s, (_, batch_sh) in shardings.items():
-            entry = next((x.spec[0] for x in batch_sh if len(x.spec)), None)
-            names = (entry,) if isinstance(entry, str) else tuple(entry or ())
-            split_over = int(np.prod([self._meshes[s].shape[n] for n in names if n != REPLICA]))
-            self._mover.samples[s] = ((entry if names and size % split_over == 0 else None),
-                                      size)
+        shardings, pins = self._stage_shardings(state, parts[0])
+        self._mover.samples.update(self._batch_samples(shardings, parts[0]))
         rows = _row_split(split, state, stacks, virtual[0], shardings)
         first, handed, cut_runs = gradient_programs(split, labels, virtual[0], n_state, stacks,
                                                     remat, rerun, rows, pins=pins)
@@ -537,16 +512,62 @@ class PipelinedStep:
                  for ts, width in zip(tasks, self._widths, strict=True)]
         cut_rows = RowSplit(len(split.cut_avals), cut_runs)
         if rows.runs or cut_runs:  # the update over the pieces (rows.py)
-            update_jaxpr = split_rows(
-                split.update,
-                [*(rows.runs.get(j) for j in range(n_state)),
-                 *(cut_runs.get(i) for i in range(len(split.cut_avals)))],
-                [rows.runs.get(j) if j < n_state else None
-                 for j in range(len(split.update.jaxpr.outvars))])
-            split = dataclasses.replace(split, update=update_jaxpr,
-                                        cut_avals=tuple(cut_rows.avals(split.cut_avals)))
+            split = _update_over_pieces(split, rows, cut_rows, n_state)
             for s, (state_sh, batch_sh) in shardings.items():
                 shardings[s] = ([state_sh[j] for j, _ in rows.internal], batch_sh)
+        update, where, home, cut_at = self._update_programs(split, tasks, cut_vars, shardings)
+        n_internal = len(rows.internal)
+        return _Prepared(split, tuple(kinds[i] for i, _ in cut_rows.internal), virtual, tasks,
+                         update, where, home, cut_at, shardings,
+                         _needs(tasks, update, where, home),
+                         [v.aval for v in split.update.jaxpr.invars[:n_internal]], rows,
+                         cut_vars,
+                         [np.shape(x) for x in jax.tree.leaves(state)])
+
+    def _stage_shardings(self, state: Any, batch: Any,
+                         ) -> tuple[dict[int, tuple[list[Any], list[Any]]], dict[int, Pins]]:
+        """Per stage, its state and batch leaves' shardings; per stage, its layout's pins."""
+        plan = self.plan
+        shardings = {}
+        pins: dict[int, Pins] = {}
+        for st in plan.stages:
+            layout = plan.layouts[st.layout] if st.layout else Layout(
+                {k: spec for k, (_, spec) in plan.param_specs.items()}, plan.batch_specs)
+            if layout.kernel_specs:  # the stage's kernel calls run split (constrain.Pins)
+                pins[st.index] = Pins.of({parse_path(k): v for k, v in
+                                          layout.kernel_specs.items()}, self._meshes[st.index])
+            batch_specs = (self._form.batch_specs(layout.batch_specs)
+                           if self._form is not None else layout.batch_specs)
+            shardings[st.index] = (
+                jax.tree.leaves(leaf_shardings(state, layout.param_specs,
+                                               self._meshes[st.index], "state")),
+                jax.tree.leaves(leaf_shardings(batch, batch_specs,
+                                               self._meshes[st.index], "batch")))
+        for s, (state_sh, batch_sh) in shardings.items():
+            if REPLICA in self._meshes[s].axis_names:  # the members' microbatches, joined
+                shardings[s] = (state_sh, [NamedSharding(x.mesh, P(_joined_axis(x.spec),
+                                                                   *x.spec[1:]))
+                                           for x in batch_sh])
+        return shardings, pins
+
+    def _batch_samples(self, shardings: dict[int, tuple[list[Any], list[Any]]],
+                       batch: Any) -> dict[int, tuple[Any, int]]:
+        """Per stage, how its batch splits samples, and one member's microbatch size."""
+        samples: dict[int, tuple[Any, int]] = {}
+        size = int(np.shape(jax.tree.leaves(batch)[0])[0])  # one member's microbatch
+        for s, (_, batch_sh) in shardings.items():
+            entry = next((x.spec[0] for x in batch_sh if len(x.spec)), None)
+            names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+            split_over = int(np.prod([self._meshes[s].shape[n] for n in names if n != REPLICA]))
+            samples[s] = ((entry if names and size % split_over == 0 else None), size)
+        return samples
+
+    def _update_programs(self, split: StepSplit, tasks: list[list[Program]],
+                         cut_vars: list[list[Any]],
+                         shardings: dict[int, tuple[list[Any], list[Any]]],
+                         ) -> tuple[list[list[Program]], list[list[Any]], list[list[int]],
+                                    list[list[int]]]:
+        """Per replica: update programs, outputs' places, leaves' homes, cut values' stages."""
         # Every replica updates its own layers: the update cut by its own stages.
         update, where, home, cut_at = [], [], [], []
         for r, (ts, handed) in enumerate(zip(tasks, cut_vars, strict=True)):
@@ -558,21 +579,7 @@ class PipelinedStep:
             where.append(out_at)
             home.append(leaf_at)
             cut_at.append(at)
-        needs: dict[int, set[int]] = {}
-        for prog in [*(t for ts in tasks for t in ts), *(u for us in update for u in us)]:
-            needs.setdefault(prog.stage, set()).update(
-                j for kind, j in prog.inputs if kind == "state")
-        for out_at, leaf_at in zip(where, home, strict=True):
-            for w in out_at:
-                if w[0] == "state":
-                    needs.setdefault(leaf_at[w[1]], set()).add(w[1])
-        n_internal = len(rows.internal)
-        return _Prepared(split, tuple(kinds[i] for i, _ in cut_rows.internal), virtual, tasks,
-                         update, where, home, cut_at, shardings,
-                         {s: sorted(js) for s, js in needs.items()},
-                         [v.aval for v in split.update.jaxpr.invars[:n_internal]], rows,
-                         cut_vars,
-                         [np.shape(x) for x in jax.tree.leaves(state)])
+        return update, where, home, cut_at
 
     # -- one step -------------------------------------------------------------------------
 
@@ -903,6 +910,15 @@ class PipelinedStep:
                      cut_index: dict[Any, int]) -> list[Any]:
         """Runs replica ``r``'s tasks on its microbatches; its cut values summed where they
         were produced (``ready.cut_at[r]``)."""
+        sums = self._run_tasks(r, ready, placed, parts, cut_index)
+        local, at = self._stage_sums(ready, ready.tasks[r], sums, cut_index)
+        if self._widths[r] > 1:  # the members' sums meet: one all-reduce per stage
+            local = self._members_meet(r, ready, local, at)
+        return local
+
+    def _run_tasks(self, r: int, ready: _Prepared, placed: dict[tuple[int, int], Any],
+                   parts: Sequence[Any], cut_index: dict[Any, int]) -> dict[int, list[Any]]:
+        """Per task key of replica ``r``, its cut outputs summed over the microbatches."""
         tasks, virtual = ready.tasks[r], ready.virtual[r]
         mover = self._mover
         values = _Values(tasks, virtual.count, mover)
@@ -942,6 +958,13 @@ class PipelinedStep:
                                             values.saved_microbatches(s))
         for holding in holdings:  # the sums go on as the step's; the rest is dropped here
             self._holdings.remove(holding)
+        return sums
+
+    def _stage_sums(self, ready: _Prepared, tasks: Sequence[Program],
+                    sums: dict[int, list[Any]], cut_index: dict[Any, int],
+                    ) -> tuple[list[Any], list[int]]:
+        """Per cut value, the replica's sum (terms met on the latest stage), and its stage."""
+        mover = self._mover
         # Per cut value, the stages' sums of it (several: terms of a value summed over stages,
         # partition.py), the latest task's first; they meet on its stage.
         terms: dict[int, list[tuple[int, Any]]] = {}
@@ -959,17 +982,21 @@ class PipelinedStep:
                 y = mover.move(y, ready.split.cut_avals[i], s, at[i], mover.spread(at[i]))
                 x = y if x is None else x + y
             local[i] = x
-        if self._widths[r] > 1:  # the members' sums meet: one all-reduce per stage
-            for stage in sorted(set(at)):
-                idx = [i for i, s in enumerate(at) if s == stage and local[i] is not None]
-                if (r, stage) not in self._syncs:
-                    self._syncs[r, stage] = _sync(
-                        stage, [local[i] for i in idx],
-                        [ready.split.cut_avals[i] for i in idx], self._widths[r])
-                reduced = self._run(self._syncs[r, stage], f"sync {stage}",
-                                    [[local[i] for i in idx]])
-                for i, x in zip(idx, reduced, strict=True):
-                    local[i] = x
+        return local, at
+
+    def _members_meet(self, r: int, ready: _Prepared, local: list[Any],
+                      at: list[int]) -> list[Any]:
+        """``local`` with each sum all-reduced over merged replica ``r``'s members."""
+        for stage in sorted(set(at)):
+            idx = [i for i, s in enumerate(at) if s == stage and local[i] is not None]
+            if (r, stage) not in self._syncs:
+                self._syncs[r, stage] = _sync(
+                    stage, [local[i] for i in idx],
+                    [ready.split.cut_avals[i] for i in idx], self._widths[r])
+            reduced = self._run(self._syncs[r, stage], f"sync {stage}",
+                                [[local[i] for i in idx]])
+            for i, x in zip(idx, reduced, strict=True):
+                local[i] = x
         return local
 
 
@@ -1043,6 +1070,35 @@ def _row_split(split: StepSplit, state: Any,
         if len(alike) == 1 and fits(j, r := alike.pop()):
             runs[j] = r
     return RowSplit(len(leaves), runs)
+
+
+def _update_over_pieces(split: StepSplit, rows: RowSplit, cut_rows: RowSplit,
+                        n_state: int) -> StepSplit:
+    """``split`` with its update over the pieces of the leaves and cut values held so."""
+    cut_runs = cut_rows.runs
+    update_jaxpr = split_rows(
+        split.update,
+        [*(rows.runs.get(j) for j in range(n_state)),
+         *(cut_runs.get(i) for i in range(len(split.cut_avals)))],
+        [rows.runs.get(j) if j < n_state else None
+         for j in range(len(split.update.jaxpr.outvars))])
+    return dataclasses.replace(split, update=update_jaxpr,
+                               cut_avals=tuple(cut_rows.avals(split.cut_avals)))
+
+
+def _needs(tasks: Sequence[Sequence[Program]], update: Sequence[Sequence[Program]],
+           where: Sequence[Sequence[Any]], home: Sequence[Sequence[int]],
+           ) -> dict[int, list[int]]:
+    """Per stage, the internal state leaves it reads (its programs', and those it returns)."""
+    needs: dict[int, set[int]] = {}
+    for prog in [*(t for ts in tasks for t in ts), *(u for us in update for u in us)]:
+        needs.setdefault(prog.stage, set()).update(
+            j for kind, j in prog.inputs if kind == "state")
+    for out_at, leaf_at in zip(where, home, strict=True):
+        for w in out_at:
+            if w[0] == "state":
+                needs.setdefault(leaf_at[w[1]], set()).add(w[1])
+    return {s: sorted(js) for s, js in needs.items()}
 
 
 @functools.partial(jax.jit, static_argnums=1)

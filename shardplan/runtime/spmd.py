@@ -1,4 +1,5 @@
-"""``apply_plan`` for single-stage plans: one jitted SPMD program on the plan's mesh.
+"""Single-stage plans (what :func:`~shardplan.api.wiring.apply_plan` runs for one mesh): one
+jitted SPMD program on the plan's mesh.
 
 The state and batch shardings come from the plan (``NamedSharding``s on *Auto* mesh axes, so
 XLA's Shardy propagates the rest); the new state keeps the old state's shardings, so nothing is
@@ -32,7 +33,7 @@ from shardplan.runtime.verify import (
     device_bytes,
 )
 
-__all__ = ["REPLICA", "PlannedStep", "Step", "apply_plan", "identical_replicas", "leaf_shardings",
+__all__ = ["REPLICA", "PlannedStep", "Step", "identical_replicas", "leaf_shardings",
            "runtime_meshes", "stage_mesh", "state_shardings"]
 
 
@@ -136,7 +137,7 @@ def _placed(tree: Any, shardings: Any, *, donated: bool = False) -> Any:
 
 
 class Step(Protocol):
-    """What :func:`apply_plan` returns for every plan kind (:class:`PlannedStep` for one mesh,
+    """What :func:`~shardplan.api.wiring.apply_plan` returns for every plan kind (:class:`PlannedStep` for one mesh,
     :class:`~shardplan.runtime.pipeline.PipelinedStep` for stages or microbatches)."""
 
     plan: Plan
@@ -234,40 +235,6 @@ class PlannedStep:
         """The XLA executables this step runs (one per program)."""
         self._ensure(state, batch)
         return (self._jitted.lower(state, batch).compile(),)
-
-
-@api_boundary
-def apply_plan(train_step: Callable[..., Any], plan: Plan, /, *, verify: bool = True,
-               measure_steps: int = MEASURE_STEPS) -> Step:
-    """Binds ``train_step`` to ``plan``; the result has ``train_step``'s signature (a
-    :class:`Step`: :class:`PlannedStep` for a one-mesh plan, ``PipelinedStep`` otherwise).
-
-    The state argument is donated, as in any training loop (``state = step(state, batch)``):
-    the new state reuses its buffers, so a state already placed as the plan says cannot be
-    read after the call (one that is placed by the call, e.g. a fresh one, is copied first).
-
-    Args:
-      train_step: ``(state, batch) -> (state, metrics)``.
-      plan: the plan (from :func:`~shardplan.make_plan` or a plan file).
-      verify: before the first step, compile the plan's programs, record XLA's memory, FLOPs
-        and collectives in ``step.plan.compiled`` and refuse a plan whose compiled memory
-        exceeds its devices (:func:`~shardplan.runtime.verify.check_fits`).
-      measure_steps: time this many steps after the first and record the median in
-        ``step.plan.measured`` (0: none). Timed steps wait for their results, so they do not
-        overlap the next step's dispatch.
-
-    Raises:
-      PlanMismatchError: at the first call, arguments of other shapes or dtypes than the plan
-        was made for (naming the leaves).
-      InfeasibleError: at the first call, a compiled program that does not fit its device.
-    """
-    # (a stage planner's plan keeps its shardings in its stages' layouts: the pipeline
-    # runtime reads them, also for one stage and one microbatch)
-    if len(plan.stages) > 1 or plan.microbatches > 1 or plan.layouts:
-        from shardplan.runtime.pipeline import PipelinedStep
-
-        return PipelinedStep(train_step, plan, verify=verify, measure_steps=measure_steps)
-    return PlannedStep(train_step, plan, verify=verify, measure_steps=measure_steps)
 
 
 def state_shardings(plan: Plan, state: Any, /) -> Any:

@@ -19,11 +19,11 @@ from typing import Any
 
 import jax
 
+from shardplan._format import format_bytes
 from shardplan.cluster.catalog import load_device
 from shardplan.errors import ConfigError, InfeasibleError, ShardplanWarning, format_error
 from shardplan.plan import Plan
 from shardplan.plan.match import check_plan_matches
-from shardplan.plan.summary import format_bytes
 from shardplan.trace.args import arg_types
 from shardplan.xla.report import MemoryReport, read_compiled
 

@@ -32,6 +32,7 @@ import re
 from collections.abc import Sequence
 
 from shardplan.trace.flatten import FlatGraph
+from shardplan.trace.graph import OpDraft
 
 # (Past 600 lines: finding stacks, cutting the op sequence into units and labelling the update
 # by leaf are one algorithm over one assignment; the parts share its private state.)
@@ -114,6 +115,13 @@ def find_stacks(flat: FlatGraph, param_tensors: dict[int, str]) -> list[Stack]:
     Returns:
       The stacks, Python-loop stacks first.
     """
+    stacks = _loop_stacks(flat, param_tensors)
+    in_path_stack = {t for st in stacks for ids in st.instance_params for t in ids}
+    return stacks + _scanned_stacks(flat, param_tensors, in_path_stack)
+
+
+def _loop_stacks(flat: FlatGraph, param_tensors: dict[int, str]) -> list[Stack]:
+    """The Python-loop stacks among the parameter leaves, by their path prefix."""
     # --- Python-loop stacks: an integer path component with identical per-index structure.
     by_prefix: dict[tuple[str, ...], dict[int, list[tuple[str, tuple, str, int]]]] = {}
     names: dict[tuple[tuple[str, ...], int], str] = {}
@@ -142,17 +150,20 @@ def find_stacks(flat: FlatGraph, param_tensors: dict[int, str]) -> list[Stack]:
             chosen[prefix] = sorted(best)
     outermost = [p for p in chosen if not any(q != p and p[: len(q)] == q for q in chosen)]
     stacks: list[Stack] = []
-    in_path_stack: set[int] = set()
     for prefix in sorted(outermost):
         per_index = by_prefix[prefix]
         idx = chosen[prefix]
         inst = tuple(tuple(sorted(s[3] for s in per_index[i])) for i in idx)
         rel = tuple({s[3]: s[0] for s in per_index[i]} for i in idx)
-        for ids in inst:
-            in_path_stack.update(ids)
         stacks.append(Stack(name=_dotted(prefix) or "layers", instance_params=inst,
                             scan_loops=(), length=len(idx), relative_paths=rel,
                             instance_names=tuple(names[(prefix, i)] for i in idx)))
+    return stacks
+
+
+def _scanned_stacks(flat: FlatGraph, param_tensors: dict[int, str],
+                    in_path_stack: set[int]) -> list[Stack]:
+    """The scanned stacks: scans over parameters outside ``in_path_stack``, grouped by leaf."""
     # --- Scanned stacks: scans whose per-iteration inputs include parameters.
     groups: list[tuple[set[int], list[int], int]] = []
     for loop_id, xs in flat.loop_xs.items():
@@ -166,6 +177,7 @@ def find_stacks(flat: FlatGraph, param_tensors: dict[int, str]) -> list[Stack]:
                 break
         else:
             groups.append((set(scanned), [loop_id], flat.loop_lengths[loop_id]))
+    stacks: list[Stack] = []
     for params, loops, length in groups:
         ids = tuple(sorted(params))
         paths = [_components(param_tensors[t]) for t in ids]
@@ -331,70 +343,27 @@ def assign_layers(flat: FlatGraph, phases: Sequence[str], param_tensors: dict[in
     stacked = {t for st in stacks for ids in st.instance_params for t in ids}
     glue_tensors = set(param_tensors) - stacked
     notes: list[str] = []
-    units: list[Unit] = []
-    tensor_unit: dict[int, int] = {}
-    loop_unit: dict[int, int] = {}
-    for s_idx, st in enumerate(stacks):
-        for i_idx, ids in enumerate(st.instance_params):
-            u = len(units)
-            units.append(Unit(s_idx, i_idx))
-            for t in ids:
-                tensor_unit[t] = u
-        for loop_id in st.scan_loops:
-            loop_unit[loop_id] = len(units) - 1
+    units, tensor_unit, loop_unit = _units(stacks)
     n_ops = len(flat.ops)
     op_unit = [SHARED] * n_ops
     if not units:
         notes.append("no repeated layer stack found: the model is one layer")
         return LayerAssignment(op_unit=tuple([PRE] * n_ops), units=(), stacks=(),
                                notes=tuple(notes))
-
-    def anchor(op_id: int) -> int | None:
-        op = flat.ops[op_id]
-        for loop_id, _ in op.loop:
-            if loop_id in loop_unit:
-                return loop_unit[loop_id]
-        if op.structural and op.attrs.get("loop") in loop_unit:
-            return loop_unit[op.attrs["loop"]]
-        for t in op.inputs:
-            if t in tensor_unit:
-                return tensor_unit[t]
-        for t in op.outputs:
-            if t in tensor_unit:  # the gradient of one of the unit's parameters
-                return tensor_unit[t]
-        return None
-
     grads = link_gradients(flat, phases, param_tensors, state_links)
     for g, p in grads.items():
         if p in tensor_unit:
             tensor_unit[g] = tensor_unit[p]
-
-    def reads_glue(op_id: int) -> bool:
-        """Reads a parameter outside the stacks, or computes such a parameter's gradient."""
-        op = flat.ops[op_id]
-        return (not glue_tensors.isdisjoint(op.inputs)
-                or any(grads.get(t) in glue_tensors for t in op.outputs))
-
     fwd = [i for i in range(n_ops) if phases[i] == "forward"]
     bwd = [i for i in range(n_ops) if phases[i] in ("backward", "recompute")]
     # Each is asked several times per op below: work them out once.
     anchors: list[int | None] = [None] * n_ops
     glue_reads = [False] * n_ops
     for i in itertools.chain(fwd, bwd):
-        anchors[i] = anchor(i)
-        glue_reads[i] = reads_glue(i)
+        anchors[i] = _anchor(flat.ops[i], tensor_unit, loop_unit)
+        glue_reads[i] = _reads_glue(flat.ops[i], glue_tensors, grads)
     anchor_of, reads_glue_of = anchors.__getitem__, glue_reads.__getitem__
-    # Order units by first forward anchor.
-    first: dict[int, int] = {}
-    for pos, op_id in enumerate(fwd):
-        a = anchors[op_id]
-        if a is not None and a not in first:
-            first[a] = pos
-    order = sorted(first, key=first.__getitem__)
-    missing = [u for u in range(len(units)) if u not in first]
-    if missing:
-        notes.append(f"{len(missing)} stack instance(s) are never read in the forward pass")
-        order += missing
+    order = _unit_order(fwd, anchors, len(units), notes)
     rank = {u: r for r, u in enumerate(order)}
 
     # Source lines prefer a side at a stack's edge. An op without one (an index normalised by
@@ -421,6 +390,61 @@ def assign_layers(flat: FlatGraph, phases: Sequence[str], param_tensors: dict[in
     _label_update(flat, phases, labels, t_unit, glue_tensors, state_links)
     return LayerAssignment(op_unit=tuple(labels), units=tuple(units[u] for u in order),
                            stacks=tuple(stacks), notes=tuple(notes))
+
+
+def _units(stacks: Sequence[Stack]) -> tuple[list[Unit], dict[int, int], dict[int, int]]:
+    """The stacks' units, and the unit of each parameter tensor and of each scan loop."""
+    units: list[Unit] = []
+    tensor_unit: dict[int, int] = {}
+    loop_unit: dict[int, int] = {}
+    for s_idx, st in enumerate(stacks):
+        for i_idx, ids in enumerate(st.instance_params):
+            u = len(units)
+            units.append(Unit(s_idx, i_idx))
+            for t in ids:
+                tensor_unit[t] = u
+        for loop_id in st.scan_loops:
+            loop_unit[loop_id] = len(units) - 1
+    return units, tensor_unit, loop_unit
+
+
+def _anchor(op: OpDraft, tensor_unit: dict[int, int], loop_unit: dict[int, int]) -> int | None:
+    """The unit ``op`` is an anchor of (runs inside its scan or reads its parameters), or None."""
+    for loop_id, _ in op.loop:
+        if loop_id in loop_unit:
+            return loop_unit[loop_id]
+    if op.structural and op.attrs.get("loop") in loop_unit:
+        return loop_unit[op.attrs["loop"]]
+    for t in op.inputs:
+        if t in tensor_unit:
+            return tensor_unit[t]
+    for t in op.outputs:
+        if t in tensor_unit:  # the gradient of one of the unit's parameters
+            return tensor_unit[t]
+    return None
+
+
+def _reads_glue(op: OpDraft, glue_tensors: set[int], grads: dict[int, int]) -> bool:
+    """Reads a parameter outside the stacks, or computes such a parameter's gradient."""
+    return (not glue_tensors.isdisjoint(op.inputs)
+            or any(grads.get(t) in glue_tensors for t in op.outputs))
+
+
+def _unit_order(fwd: Sequence[int], anchors: Sequence[int | None], n_units: int,
+                notes: list[str]) -> list[int]:
+    """The units by their first forward anchor, then those the forward pass never reads."""
+    # Order units by first forward anchor.
+    first: dict[int, int] = {}
+    for pos, op_id in enumerate(fwd):
+        a = anchors[op_id]
+        if a is not None and a not in first:
+            first[a] = pos
+    order = sorted(first, key=first.__getitem__)
+    missing = [u for u in range(n_units) if u not in first]
+    if missing:
+        notes.append(f"{len(missing)} stack instance(s) are never read in the forward pass")
+        order += missing
+    return order
 
 
 def _segment(flat: FlatGraph, seq: list[int], anchor, reads_glue, rank: dict[int, int],

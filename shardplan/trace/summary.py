@@ -23,6 +23,23 @@ def format_count(x: float, unit: str = "") -> str:
 def graph_summary(g: OpGraph) -> str:
     """Layers grouped by fingerprint, parameters by role, FLOPs and bytes per phase."""
     lines = [f"OpGraph '{g.name}': {len(g.ops)} ops, {len(g.tensors)} tensors"]
+    lines += _role_lines(g)
+    lines += _phase_lines(g)
+    lines += _layer_lines(g)
+    blocks = g.blocks
+    if blocks:
+        distinct = len({b.fingerprint for b in blocks})
+        lines.append(f"{len(blocks)} blocks, {distinct} distinct fingerprint(s)")
+    if g.unknown_primitives:
+        names = ", ".join(f"{p} ({src})" for p, src in g.unknown_primitives)
+        lines.append(f"primitives without a cost rule (costed as elementwise): {names}")
+    for note in g.notes:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
+
+
+def _role_lines(g: OpGraph) -> list[str]:
+    """The summary's table of the inputs by role: leaves, elements and bytes."""
     # Parameters by role.
     by_role: dict[str, list[int]] = {}
     for p in g.parameters:
@@ -33,14 +50,19 @@ def graph_summary(g: OpGraph) -> str:
         acc[0] += 1
         acc[1] += n
         acc[2] += g.tensors[p.tensor].nbytes
-    lines.append("")
+    lines = [""]
     lines.append(f"{'inputs by role':<18}{'leaves':>8}{'elements':>14}{'bytes':>12}")
     for role in ("parameter", "optimizer_state", "other", "unused"):
         if role in by_role:
             c, n, b = by_role[role]
             lines.append(f"{role:<18}{c:>8}{format_count(n):>14}{format_count(b, 'B'):>12}")
+    return lines
+
+
+def _phase_lines(g: OpGraph) -> list[str]:
+    """The summary's table of the ops, FLOPs and bytes moved per phase, and the total FLOPs."""
     # FLOPs and bytes per phase.
-    lines.append("")
+    lines = [""]
     lines.append(f"{'phase':<12}{'ops':>8}{'FLOPs':>14}{'matmul FLOPs':>15}{'bytes moved':>14}")
     for phase in _PHASE_ORDER:
         ops = [op for op in g.ops if op.phase == phase and not op.structural]
@@ -54,8 +76,13 @@ def graph_summary(g: OpGraph) -> str:
                      f"{format_count(mm):>15}{format_count(moved, 'B'):>14}")
     total = g.total_flops()
     lines.append(f"{'total':<12}{'':>8}{format_count(total):>14}")
+    return lines
+
+
+def _layer_lines(g: OpGraph) -> list[str]:
+    """The summary's table of the layers, runs of equal fingerprints collapsed into one row."""
     # Layers, consecutive equal fingerprints collapsed.
-    lines.append("")
+    lines = [""]
     lines.append(f"{'layers':<28}{'kind':<8}{'fingerprint':<18}{'params':>10}"
                  f"{'fwd FLOPs':>11}{'bwd FLOPs':>11}{'upd FLOPs':>11}")
     i = 0
@@ -74,13 +101,4 @@ def graph_summary(g: OpGraph) -> str:
                      f"{format_count(bwd):>11}"
                      f"{format_count(lay.flops.get('update', 0.0)):>11}")
         i = j + 1
-    blocks = g.blocks
-    if blocks:
-        distinct = len({b.fingerprint for b in blocks})
-        lines.append(f"{len(blocks)} blocks, {distinct} distinct fingerprint(s)")
-    if g.unknown_primitives:
-        names = ", ".join(f"{p} ({src})" for p, src in g.unknown_primitives)
-        lines.append(f"primitives without a cost rule (costed as elementwise): {names}")
-    for note in g.notes:
-        lines.append(f"note: {note}")
-    return "\n".join(lines)
+    return lines

@@ -1,8 +1,9 @@
 """``RunConfig``: the typed configuration of ``shardplan train config.yaml``.
 
 One frozen dataclass per section of the YAML file (``model``, ``data``, ``optimizer``,
-``cluster``, ``plan``, ``train``, ``output``), each checked when it is built. One small loader
-(:mod:`shardplan.train._typed_yaml`) walks the dataclasses' fields (``typing.get_type_hints``) over what ``yaml.safe_load`` read: an
+``cluster``, ``plan``, ``train``, ``output``), each checked when it is built. One loader
+(:func:`shardplan._schema.build`) walks the dataclasses' fields (``typing.get_type_hints``)
+over what ``yaml.safe_load`` read (:mod:`shardplan.train._typed_yaml`): an
 unknown key at any level is a :class:`~shardplan.errors.ConfigError` with a did-you-mean naming
 the key path and the file, a value of the wrong type one naming the key path and the value.
 Dotted overrides (``--train.steps=200``) are applied to the mapping before it is built; their
@@ -31,22 +32,12 @@ import yaml
 from shardplan_models.config import ModelConfig, load_model_config
 from shardplan_models.train import make_optimizer
 
+from shardplan._schema import build, check_fields, convert, field_types, invalid, is_int, require
 from shardplan.cluster import Cluster
 from shardplan.data import BYTE_VOCAB_SIZE, DataConfig
-from shardplan.errors import ConfigError
+from shardplan.errors import ConfigError, unknown_key
 from shardplan.planner.config import PlanConfig
-from shardplan.train._typed_yaml import (
-    apply_override,
-    build,
-    check_fields,
-    convert,
-    fail,
-    is_int,
-    plain,
-    read_yaml,
-    require,
-    unknown_key,
-)
+from shardplan.train._typed_yaml import apply_override, plain, read_yaml
 
 __all__ = [
     "ClusterSection",
@@ -242,13 +233,14 @@ class ClusterSection:
     def __post_init__(self) -> None:
         check_fields(self, "cluster")
         if (self.path is None) == (self.local is None):
-            raise fail(
+            raise invalid(
                 "The cluster section needs exactly one of `path` and `local`"
                 + (" (both are given)." if self.path is not None else " (neither is given)."),
-                "cluster",
-                {"path": self.path, "local": self.local},
-                "write `cluster: {path: configs/clusters/<name>.yaml}`, or `cluster: {local: {}}` "
-                "(all local devices), or `cluster: {local: {types: {a100-80g: 4, v100-32g: 4}}}`",
+                where="cluster",
+                value={"path": self.path, "local": self.local},
+                remedy="write `cluster: {path: configs/clusters/<name>.yaml}`, or "
+                "`cluster: {local: {}}` (all local devices), or "
+                "`cluster: {local: {types: {a100-80g: 4, v100-32g: 4}}}`",
             )
 
     def build(self, devices: Sequence[Any] | None = None) -> Cluster:
@@ -275,11 +267,11 @@ class ClusterSection:
 
 def _check_device_count(need: int, have: int, where: str) -> None:
     if have < need:
-        raise fail(
+        raise invalid(
             f"The cluster has {need} devices but jax sees {have}.",
-            where,
-            need,
-            "run on a machine with that many devices, describe fewer devices, or on CPU "
+            where=where,
+            value=need,
+            remedy="run on a machine with that many devices, describe fewer devices, or on CPU "
             f"emulate them: XLA_FLAGS=--xla_force_host_platform_device_count={need}",
         )
 
@@ -303,9 +295,9 @@ class PlanSection:
         check_fields(self, "plan")
 
     @classmethod
-    def yaml_fields(cls) -> dict[str, Any]:
+    def mapping_fields(cls) -> dict[str, Any]:
         """The section's YAML keys and their types: ``file`` and the PlanConfig options."""
-        return {"file": str | None, **typing.get_type_hints(PlanConfig)}
+        return {"file": str | None, **field_types(PlanConfig)}
 
     @classmethod
     def from_dict(cls, mapping: Mapping[str, Any], /, *, where: str = "plan") -> PlanSection:
@@ -431,21 +423,21 @@ class RunConfig:
         check_fields(self, "")
         model = self.model.build()
         if self.data.seq_len > model.max_seq_len:
-            raise fail(
+            raise invalid(
                 f"data.seq_len={self.data.seq_len} is longer than the model's max_seq_len="
                 f"{model.max_seq_len}.",
-                "data.seq_len",
-                self.data.seq_len,
-                f"set data.seq_len <= {model.max_seq_len}, or model.overrides.max_seq_len >= "
-                f"{self.data.seq_len}",
+                where="data.seq_len",
+                value=self.data.seq_len,
+                remedy=f"set data.seq_len <= {model.max_seq_len}, or "
+                f"model.overrides.max_seq_len >= {self.data.seq_len}",
             )
         if self.data.source in ("builtin", "text") and model.vocab_size < BYTE_VOCAB_SIZE:
-            raise fail(
+            raise invalid(
                 f"The {self.data.source!r} corpus is byte-level ({BYTE_VOCAB_SIZE} token ids) "
                 f"but the model's vocab_size is {model.vocab_size}.",
-                "data.source",
-                self.data.source,
-                f"set model.overrides.vocab_size: {BYTE_VOCAB_SIZE} (or more)",
+                where="data.source",
+                value=self.data.source,
+                remedy=f"set model.overrides.vocab_size: {BYTE_VOCAB_SIZE} (or more)",
             )
 
     def optimizer_transform(self) -> optax.GradientTransformation:
@@ -483,11 +475,11 @@ def load_run_config(path: str | os.PathLike[str], /, overrides: Sequence[str] = 
       False
     """
     if isinstance(overrides, str):
-        raise fail(
+        raise invalid(
             "The overrides must be a list of strings, not one string.",
-            "load_run_config(overrides=...)",
-            overrides,
-            f"pass [{overrides!r}]",
+            where="load_run_config(overrides=...)",
+            value=overrides,
+            remedy=f"pass [{overrides!r}]",
         )
     file = Path(path)
     raw = read_yaml(file, RunConfig)

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +35,7 @@ import shardplan_models as models
 from flax import nnx
 from jax.extend.core import Var
 
-from shardplan.api.planning import check_plan, make_plan
+from shardplan.api.wiring import apply_plan, check_plan, make_plan
 from shardplan.cluster import Cluster
 from shardplan.data import Dataset, abstract_batch, load_data
 from shardplan.errors import (
@@ -47,11 +47,11 @@ from shardplan.errors import (
 from shardplan.plan import Plan, load_plan
 from shardplan.planner.memory import check_state_fits, state_bytes
 from shardplan.planner.multi import memory_budget
-from shardplan.runtime.spmd import apply_plan, state_shardings
+from shardplan.runtime.spmd import state_shardings
 from shardplan.trace.dtypes import itemsize
 from shardplan.train._hosts import everywhere, from_main, is_main
 from shardplan.train._lock import RunLock
-from shardplan.train._resume import move_aside, resume
+from shardplan.train._resume import Resume, move_aside, resume
 from shardplan.train._signals import RunStopped, Signals, Stop, stopped
 from shardplan.train.checkpoint import Checkpointer, abstract_target
 from shardplan.train.config import RunConfig
@@ -347,20 +347,9 @@ def _train(config: RunConfig, run_dir: Path, main: bool, progress: bool,
         )
         step_fn = models.make_train_step(graphdef)
         abstract_state = jax.eval_shape(lambda: state)
-        # Solved (or loaded and checked) once, by process 0, so every process runs the same plan.
-        made = (_plan(config, step_fn, abstract_state, abstract_batch(config.data), cluster)
-                if main else None)
-        plan = Plan.from_json(from_main(made.to_json().encode() if made else None).decode()) \
-            if jax.process_count() > 1 else made
-        assert plan is not None
+        plan = _shared_plan(config, step_fn, abstract_state, cluster, main)
         run = apply_plan(step_fn, plan, measure_steps=config.train.measure_steps)
-
-        def open_checkpoints() -> Checkpointer:
-            return Checkpointer(run_dir / "checkpoints",
-                                every_steps=config.output.checkpoint_every,
-                                keep=config.output.keep_checkpoints)
-
-        checkpoints = open_checkpoints()
+        checkpoints = _open_checkpoints(config, run_dir)
         target = abstract_target(abstract_state, state_shardings(plan, abstract_state))
         try:
             resumed = resume(config, checkpoints, dataset, target)
@@ -378,17 +367,8 @@ def _train(config: RunConfig, run_dir: Path, main: bool, progress: bool,
                          "another output.dir")
                 return RunResult(run_dir, first, first, (), {}, "", run.plan, state)
         # Every check has passed: from here on the run writes its directory.
-        with signals.deferred():
-            if resumed is not None and resumed.damaged:
-                checkpoints.close()
-                if main:
-                    move_aside(run_dir, run_dir / "checkpoints", resumed.damaged)
-                if jax.process_count() > 1:
-                    from_main(b"")  # (every process waits for the move)
-                checkpoints = open_checkpoints()
-            if main:
-                (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
-                _write_plan(run_dir, plan)
+        checkpoints = _write_run_dir(config, run_dir, main, plan, resumed, checkpoints,
+                                     signals)
         summary = plan.summary().splitlines()
         cut = next((i for i, line in enumerate(summary) if "shardings" in line.lower()), None)
         print_fn("\n".join(summary[:cut]).rstrip()
@@ -399,6 +379,43 @@ def _train(config: RunConfig, run_dir: Path, main: bool, progress: bool,
                      checkpoints, dataset, graphdef, state, first, model_config)
     except Stop as stop:
         raise stopped(stop, run_dir, at.step, config.train.steps) from None
+
+
+def _shared_plan(config: RunConfig, step_fn: Callable[..., Any], abstract_state: Any,
+                 cluster: Cluster, main: bool) -> Plan:
+    """The run's plan, the same on every process."""
+    # Solved (or loaded and checked) once, by process 0, so every process runs the same plan.
+    made = (_plan(config, step_fn, abstract_state, abstract_batch(config.data), cluster)
+            if main else None)
+    plan = Plan.from_json(from_main(made.to_json().encode() if made else None).decode()) \
+        if jax.process_count() > 1 else made
+    assert plan is not None
+    return plan
+
+
+def _open_checkpoints(config: RunConfig, run_dir: Path) -> Checkpointer:
+    """The run directory's checkpointer, as the config sets it."""
+    return Checkpointer(run_dir / "checkpoints",
+                        every_steps=config.output.checkpoint_every,
+                        keep=config.output.keep_checkpoints)
+
+
+def _write_run_dir(config: RunConfig, run_dir: Path, main: bool, plan: Plan,
+                   resumed: Resume | None, checkpoints: Checkpointer,
+                   signals: Signals) -> Checkpointer:
+    """The checkpointer to train on with, the config and plan written (damaged ones moved aside)."""
+    with signals.deferred():
+        if resumed is not None and resumed.damaged:
+            checkpoints.close()
+            if main:
+                move_aside(run_dir, run_dir / "checkpoints", resumed.damaged)
+            if jax.process_count() > 1:
+                from_main(b"")  # (every process waits for the move)
+            checkpoints = _open_checkpoints(config, run_dir)
+        if main:
+            (run_dir / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
+            _write_plan(run_dir, plan)
+    return checkpoints
 
 
 @dataclass
@@ -426,10 +443,7 @@ def _loop(config: RunConfig, ctx: _Run, run: Any, checkpoints: Checkpointer,
     """The training steps from ``first``, with evaluation, metrics, checkpoints and the
     sample (the module docstring)."""
     run_dir, main, print_fn = ctx.run_dir, ctx.main, ctx.print_fn
-    meta = {
-        "data_fingerprint": dataset.fingerprint,
-        "model": getattr(model_config, "name", type(model_config).__name__),
-    }
+    meta = _checkpoint_meta(dataset, model_config)
     forward = _forward(graphdef)
     evaluator = run.evaluator(_eval_metrics(forward))
     tokens_per_step = config.data.batch_size * config.data.seq_len
@@ -458,22 +472,7 @@ def _loop(config: RunConfig, ctx: _Run, run: Any, checkpoints: Checkpointer,
             state, metrics = run(state, dataset.train_batch(step))
             loss = float(everywhere(metrics["loss"]))  # held by the last stage's process
             if not math.isfinite(loss):
-                kept = checkpoints.latest_step()
-                raise RuntimeFailure(
-                    format_error(
-                        f"The loss became {loss} at step {step + 1}; the run stops (nothing of "
-                        "this step is saved).",
-                        where=f"step {step + 1}",
-                        value=loss,
-                        remedy=(
-                            f"the last checkpoint (step {kept}, {checkpoints.step_dir(kept)}) "
-                            "is kept: lower optimizer.learning_rate or raise warmup_steps, and "
-                            "run again to resume from it"
-                        )
-                        if kept is not None
-                        else "lower optimizer.learning_rate or raise optimizer.warmup_steps",
-                    )
-                )
+                raise _diverged(loss, step, checkpoints)
             losses.append(loss)
             done = step + 1
             elapsed = time.perf_counter() - start
@@ -482,31 +481,17 @@ def _loop(config: RunConfig, ctx: _Run, run: Any, checkpoints: Checkpointer,
             progress_bar.update(done, loss, tokens_per_s)
             if config.train.eval_every and done % config.train.eval_every == 0:
                 evaluate(done)
-            stopping = done == config.train.steps or done == config.train.stop_at
-            with ctx.signals.deferred():  # a checkpoint and the plan file are written whole
-                if checkpoints.should_save(done, final=stopping):
-                    checkpoints.save(done, state, meta={**meta, "step": done})
-                if main and run.plan.measured and not measured_written:  # after timed steps
-                    _write_plan(run_dir, run.plan)
-                    measured_written = True
+            measured_written = _save_step(config, ctx, run, checkpoints, state, done, meta,
+                                          measured_written)
             if done == config.train.stop_at:
                 break
         ctx.at.step = None if not losses else first + len(losses)
         last = first + len(losses)
         if last == config.train.steps and last not in val_losses:
             evaluate(last)
-        sample = ""
-        if config.train.sample_tokens > 0:
-            sampler_state, sampler = _sampler_state(forward, state, run.plan,
-                                                    config.data.seq_len, print_fn)
-            sample = _sample(sampler, sampler_state, config.train.sample_prompt,
-                             config.train.sample_tokens, config.data.seq_len, config.train.seed)
+        sample = _final_sample(config, forward, state, run.plan, print_fn)
     finally:
-        with ctx.signals.deferred():
-            progress_bar.close()
-            checkpoints.close()
-            if metrics_file is not None:
-                metrics_file.close()
+        _close_run(ctx, progress_bar, checkpoints, metrics_file)
     if main:
         with ctx.signals.deferred():
             _write_plan(run_dir, run.plan)
@@ -514,6 +499,59 @@ def _loop(config: RunConfig, ctx: _Run, run: Any, checkpoints: Checkpointer,
         print_fn(f"sample: {config.train.sample_prompt!r} -> {sample!r}")
     return RunResult(run_dir, first, last, tuple(losses), val_losses, sample, run.plan, state,
                      getattr(evaluator, "plan", None) if val_losses else None)
+
+
+def _checkpoint_meta(dataset: Dataset, model_config: Any) -> dict[str, Any]:
+    """What every checkpoint of the run records beside its step: the data and the model."""
+    return {"data_fingerprint": dataset.fingerprint,
+            "model": getattr(model_config, "name", type(model_config).__name__)}
+
+
+def _save_step(config: RunConfig, ctx: _Run, run: Any, checkpoints: Checkpointer, state: Any,
+               done: int, meta: dict[str, Any], measured_written: bool) -> bool:
+    """Whether the measured plan is written, after writing step ``done``'s checkpoint if due."""
+    stopping = done == config.train.steps or done == config.train.stop_at
+    with ctx.signals.deferred():  # a checkpoint and the plan file are written whole
+        if checkpoints.should_save(done, final=stopping):
+            checkpoints.save(done, state, meta={**meta, "step": done})
+        if ctx.main and run.plan.measured and not measured_written:  # after timed steps
+            _write_plan(ctx.run_dir, run.plan)
+            measured_written = True
+    return measured_written
+
+
+def _close_run(ctx: _Run, progress_bar: _Progress, checkpoints: Checkpointer,
+               metrics_file: IO[str] | None) -> None:
+    """Closes the progress bar, checkpoints and metrics file, signals deferred (returns None)."""
+    with ctx.signals.deferred():
+        progress_bar.close()
+        checkpoints.close()
+        if metrics_file is not None:
+            metrics_file.close()
+
+
+def _diverged(loss: float, step: int, checkpoints: Checkpointer) -> RuntimeFailure:
+    """The error that stops a run whose loss became ``loss`` (not finite) at ``step``."""
+    kept = checkpoints.latest_step()
+    return RuntimeFailure(format_error(
+        f"The loss became {loss} at step {step + 1}; the run stops (nothing of this step is "
+        "saved).", where=f"step {step + 1}", value=loss,
+        remedy=(f"the last checkpoint (step {kept}, {checkpoints.step_dir(kept)}) is kept: "
+                "lower optimizer.learning_rate or raise warmup_steps, and run again to resume "
+                "from it") if kept is not None
+        else "lower optimizer.learning_rate or raise optimizer.warmup_steps"))
+
+
+def _final_sample(config: RunConfig, forward: Callable[..., Any], state: Any, plan: Plan,
+                  print_fn: Callable[[str], None]) -> str:
+    """The run's closing text sample ("" when ``train.sample_tokens`` is 0)."""
+    sample = ""
+    if config.train.sample_tokens > 0:
+        sampler_state, sampler = _sampler_state(forward, state, plan,
+                                                config.data.seq_len, print_fn)
+        sample = _sample(sampler, sampler_state, config.train.sample_prompt,
+                         config.train.sample_tokens, config.data.seq_len, config.train.seed)
+    return sample
 
 
 class _Progress:

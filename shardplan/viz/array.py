@@ -31,8 +31,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from shardplan._format import MAX_WIDTH, compress_ids
 from shardplan.errors import ConfigError, format_error
-from shardplan.plan.summary import MAX_WIDTH, compress_ids
 
 if TYPE_CHECKING:
     import jax

@@ -25,8 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from shardplan._format import key_pattern
 from shardplan.plan._values import parse_type
-from shardplan.plan.summary import key_pattern
 
 if TYPE_CHECKING:
     from shardplan.plan.plan import MeshSpec, Plan, Spec, Stage

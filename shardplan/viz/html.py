@@ -32,17 +32,13 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shardplan._format import HASH_CHARS, compress_layers, plain_json, starred_values
 from shardplan.errors import ConfigError, ShardplanError, format_error
-from shardplan.plan.explain import (
-    chosen_label,
-    peak_memory_bytes,
-    runner_label,
-    starred_values,
-)
-from shardplan.plan.plan import HTML_VIEWS
-from shardplan.plan.report import report_table
-from shardplan.plan.summary import ACCUMULATION_WORDS, compress_layers, plain_json
+from shardplan.plan.plan import VIEWS
+from shardplan.plan.summary import ACCUMULATION_WORDS
 from shardplan.viz import data
+from shardplan.viz.explain import chosen_label, peak_memory_bytes, runner_label
+from shardplan.viz.report import report_table
 
 if TYPE_CHECKING:
     from shardplan.plan.plan import Plan
@@ -69,7 +65,7 @@ _IFRAME_HEIGHT_PX = 900  # the notebook frame: about one screen of the report
 
 def _summary(plan: Plan) -> dict[str, Any]:
     name = plan.cluster_info.get("name")
-    return {"id": plan.content_hash[:12], "hash": plan.content_hash,
+    return {"id": plan.content_hash[:HASH_CHARS], "hash": plan.content_hash,
             "stages": len(plan.stages), "replicas": max(len(plan.replicas), 1),
             "devices": plan.num_devices, "schedule": plan.schedule, "chunks": plan.chunks,
             "microbatches": plan.microbatches, "microbatch_size": plan.microbatch_size,
@@ -224,7 +220,7 @@ def _runner_ups(plan: Plan) -> dict[str, Any]:
 
 
 def _figures(plan: Plan) -> dict[str, Any]:
-    """``plan.report()`` as table rows (:func:`shardplan.plan.report.report_table`)."""
+    """``plan.report()`` as table rows (:func:`shardplan.viz.report.report_table`)."""
     head, rows = report_table(plan)
     return {"head": head, "rows": rows}
 
@@ -274,7 +270,7 @@ def plan_html(plan: Plan, /) -> str:
         >>> 'id="tensors"' in plan_html(_example())
         True
     """
-    summary = plan.content_hash[:12]
+    summary = plan.content_hash[:HASH_CHARS]
     sections = "\n".join(f'<section id="{s}"></section>' for s in SECTIONS)
     return (
         "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
@@ -333,7 +329,7 @@ def notebook_html(plan: Plan, /) -> str:
     and script scope, so several reports in one notebook do not clash."""
     return (f'<iframe srcdoc="{html.escape(plan_html(plan), quote=True)}" '
             f'style="width:100%;height:{_IFRAME_HEIGHT_PX}px;border:0" '
-            f'title="shardplan plan {plan.content_hash[:12]}"></iframe>')
+            f'title="shardplan plan {plan.content_hash[:HASH_CHARS]}"></iframe>')
 
 
-HTML_VIEWS.update(report=plan_html, notebook=notebook_html)  # Plan.to_html, Plan._repr_html_
+VIEWS.update(report=plan_html, notebook=notebook_html)  # Plan.to_html, Plan._repr_html_

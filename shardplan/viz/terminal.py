@@ -33,10 +33,8 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from shardplan.errors import ConfigError, format_error
-from shardplan.plan.plan import natural_key
-from shardplan.plan.summary import (
-    MAX_STAGE_ROWS,
+from shardplan._format import (
+    HASH_CHARS,
     MAX_WIDTH,
     clip_line,
     compress_ids,
@@ -48,6 +46,9 @@ from shardplan.plan.summary import (
     layer_runs,
     plural,
 )
+from shardplan.errors import ConfigError, format_error
+from shardplan.plan.plan import natural_key
+from shardplan.plan.summary import MAX_STAGE_ROWS
 from shardplan.viz.data import capacities, devices, memory, parse_type
 
 if TYPE_CHECKING:
@@ -214,7 +215,8 @@ def _header(plan: Plan) -> list[str]:
     replicas = f" in {plural(len(plan.replicas), 'replica')}" if len(plan.replicas) > 1 else ""
     size = f" of {plan.microbatch_size}" if plan.microbatch_size else ""
     chunks = f" ({plan.chunks} chunks per stage)" if plan.chunks > 1 else ""
-    return [f"Plan {plan.content_hash[:12]}: {plural(len(plan.stages), 'stage')}{replicas}, "
+    return [f"Plan {plan.content_hash[:HASH_CHARS]}: "
+            f"{plural(len(plan.stages), 'stage')}{replicas}, "
             f"{plural(plan.num_devices, 'device')}, "
             f"{plural(plan.microbatches, 'microbatch', 'microbatches')}{size}, "
             f"schedule {plan.schedule}{chunks}",

@@ -20,14 +20,14 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import shardplan_models as models  # noqa: E402
-from test_pipeline_runtime import _pipeline, _planned  # noqa: E402
+from helpers.pipelines import planned_tiny, staged_plan  # noqa: E402
 
 
 def main(out: str, steps: int) -> None:
     me = jax.process_index()
     print(f"process {me} pid {os.getpid()}", flush=True)
-    config, state, step, plan = _planned("gpt-tiny")
-    piped = _pipeline(plan, [[("a100-80g", (0, 1, 2, 3), ("pre", "blocks.0")),
+    config, state, step, plan = planned_tiny("gpt-tiny")
+    piped = staged_plan(plan, [[("a100-80g", (0, 1, 2, 3), ("pre", "blocks.0")),
                               ("v100-32g", (4, 5, 6, 7), ("blocks.1", "post"))]], 4, [4])
     run = sp.apply_plan(step, piped)
     i = 0

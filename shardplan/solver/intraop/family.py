@@ -182,96 +182,115 @@ class ProblemFamily:
     # ------------------------------------------------------------------ the model
     def _build_lp(self, merged: dict[tuple[int, int], list[tuple[int, bool]]],
                   labels: Sequence[np.ndarray]) -> None:
+        """Writes the relaxation as a proto, loads it into GLOP and keeps its variables."""
         # The model is written as a proto (variables and rows in bulk) and loaded once.
-        model = linear_solver_pb2.MPModelProto()
-        unit = linear_solver_pb2.MPVariableProto(lower_bound=0.0, upper_bound=1.0)
+        proto = _Proto()
+        x_entry = self._add_strategy_vars(proto)
+        # Pair variables and the edges folded into one end.
+        terms = _EdgeTerms([], [], [], [], [])
+        for (u, v), members in merged.items():
+            self._add_merged_edge(proto, u, v, members, labels, len(x_entry), terms)
+        self._load(proto.model, len(x_entry))
+        self.y_var = (np.concatenate(terms.y_var).astype(np.int64) if terms.y_var
+                      else np.zeros(0, dtype=np.int64))
+        self.y_src = (np.concatenate(terms.y_src).astype(np.int64) if terms.y_src
+                      else np.zeros(0, dtype=np.int64))
+        self.fold_entry = np.asarray(terms.fold_entry, dtype=np.int64)
+        self.fold_src = np.asarray(terms.fold_src, dtype=np.int64)
+        self.pair_edges = terms.pair_edges
 
-        def new_vars(k: int) -> list[int]:
-            first = len(model.variable)
-            model.variable.extend([unit] * k)
-            return list(range(first, first + k))
-
-        def row(lower: float, upper: float, index: list[int], coefficient: list[float]) -> None:
-            constraint = model.constraint.add(lower_bound=lower, upper_bound=upper)
-            constraint.var_index.extend(index)
-            constraint.coefficient.extend(coefficient)
-
+    def _add_strategy_vars(self, proto: _Proto) -> list[int]:
+        """Adds a variable per allowed root strategy (``self.x``); their root entries, in order."""
         roots = sorted(set(self.root.tolist()))
         self.x: dict[int, list[tuple[int, int]]] = {}  # root -> [(strategy, variable)]
         x_entry: list[int] = []
         for r in roots:
             b = int(self.base[r])
             allowed = [s for s in range(int(self.counts[r])) if not self.forbidden[b + s]]
-            xs = list(zip(allowed, new_vars(len(allowed)), strict=True))
+            xs = list(zip(allowed, proto.new_vars(len(allowed)), strict=True))
             x_entry += [b + s for s in allowed]
-            row(1.0, 1.0, [var for _, var in xs], [1.0] * len(xs))
+            proto.row(1.0, 1.0, [var for _, var in xs], [1.0] * len(xs))
             self.x[r] = xs
         self.x_entry = np.asarray(x_entry, dtype=np.int64)
-        # Pair variables and the edges folded into one end.
-        y_var: list[np.ndarray] = []  # pair variable indices and, alike,
-        y_src: list[np.ndarray] = []  # the global edge entries whose costs they sum
-        fold_entry, fold_src = [], []  # (root entry, global edge entry) to add
-        # (root u, root v, per member edge its [|S_u|, |S_v|] global entries): for rounding.
-        pair_edges: list[tuple[int, int, list[np.ndarray]]] = []
-        for (u, v), members in merged.items():
-            ku, kv = int(self.counts[u]), int(self.counts[v])
-            rows = [i for i in range(ku) if not self.forbidden[self.base[u] + i]]
-            cols = [j for j in range(kv) if not self.forbidden[self.base[v] + j]]
-            if not rows or not cols:
-                continue  # a dead group: every member is infeasible (the caller's solve says so)
-            # Per member, the global index of entry (i, j) of the merged (u, v) matrix.
-            grids = []
-            for e, flipped in members:
-                grid = np.arange(ku * kv).reshape(ku, kv)
-                if flipped:  # the edge runs v -> u: its (j, i) is the merged (i, j)
-                    grid = np.arange(ku * kv).reshape(kv, ku).T
-                grids.append((e, self.offsets[e] + grid))
-            label = np.stack([labels[e][g - self.offsets[e]] for e, g in grids], axis=-1)
-            inf = np.zeros((ku, kv), dtype=bool)
-            for e, g in grids:
-                inf |= self.edge_inf[e][g - self.offsets[e]]
-            sub, sub_inf = label[np.ix_(rows, cols)], inf[np.ix_(rows, cols)]
-            row_classes = _classes([(sub[a].tobytes(), sub_inf[a].tobytes())
-                                    for a in range(len(rows))], rows)
-            reps = [rows.index(c[0]) for c in row_classes]
-            col_classes = _classes([(sub[reps, b].tobytes(), sub_inf[reps, b].tobytes())
-                                    for b in range(len(cols))], cols)
-            if len(row_classes) == 1 or len(col_classes) == 1:
-                if inf[np.ix_(rows, cols)].any():
-                    raise ValueError("a separable edge forbids strategy pairs")
-                if len(col_classes) == 1:  # M[i, j] = r_i: a cost of u's strategies
-                    j0 = cols[0]
-                    for i in rows:
-                        for _, g in grids:
-                            fold_entry.append(int(self.base[u]) + i)
-                            fold_src.append(int(g[i, j0]))
-                else:  # M[i, j] = c_j: a cost of v's strategies
-                    i0 = rows[0]
-                    for j in cols:
-                        for _, g in grids:
-                            fold_entry.append(int(self.base[v]) + j)
-                            fold_src.append(int(g[i0, j]))
-                continue
-            pair_edges.append((u, v, [g for _, g in grids]))
-            xu, xv = dict(self.x[u]), dict(self.x[v])
-            # One pair variable per (row class, column class) whose pair is allowed.
-            i_rep = np.asarray([c[0] for c in row_classes])
-            j_rep = np.asarray([c[0] for c in col_classes])
-            a_idx, b_idx = np.nonzero(~inf[np.ix_(i_rep, j_rep)])
-            pairs = new_vars(len(a_idx))
-            row_terms: list[list[int]] = [[] for _ in row_classes]
-            col_terms: list[list[int]] = [[] for _ in col_classes]
-            for a, b, var in zip(a_idx.tolist(), b_idx.tolist(), pairs, strict=True):
-                row_terms[a].append(var)
-                col_terms[b].append(var)
-            for _, g in grids:  # the pair's cost: the sum of the members' entries
-                y_var.append(np.asarray(pairs, dtype=np.int64) - len(x_entry))
-                y_src.append(g[i_rep[a_idx], j_rep[b_idx]])
-            for classes, terms, ends in ((row_classes, row_terms, xu),
-                                         (col_classes, col_terms, xv)):
-                for members_of_class, pair_vars in zip(classes, terms, strict=True):
-                    row(0.0, 0.0, pair_vars + [ends[s] for s in members_of_class],
-                        [1.0] * len(pair_vars) + [-1.0] * len(members_of_class))
+        return x_entry
+
+    def _add_merged_edge(self, proto: _Proto, u: int, v: int, members: list[tuple[int, bool]],
+                         labels: Sequence[np.ndarray], n_x: int, terms: _EdgeTerms) -> None:
+        """Adds the merged edge of roots ``u < v``: folded into one end, or pair variables.
+
+        An edge whose matrix depends on one end only is folded into that end's costs; others
+        get a pair variable per (row class, column class).
+        """
+        ku, kv = int(self.counts[u]), int(self.counts[v])
+        rows = [i for i in range(ku) if not self.forbidden[self.base[u] + i]]
+        cols = [j for j in range(kv) if not self.forbidden[self.base[v] + j]]
+        if not rows or not cols:
+            return  # a dead group: every member is infeasible (the caller's solve says so)
+        # Per member, the global index of entry (i, j) of the merged (u, v) matrix.
+        grids = []
+        for e, flipped in members:
+            grid = np.arange(ku * kv).reshape(ku, kv)
+            if flipped:  # the edge runs v -> u: its (j, i) is the merged (i, j)
+                grid = np.arange(ku * kv).reshape(kv, ku).T
+            grids.append((e, self.offsets[e] + grid))
+        label = np.stack([labels[e][g - self.offsets[e]] for e, g in grids], axis=-1)
+        inf = np.zeros((ku, kv), dtype=bool)
+        for e, g in grids:
+            inf |= self.edge_inf[e][g - self.offsets[e]]
+        sub, sub_inf = label[np.ix_(rows, cols)], inf[np.ix_(rows, cols)]
+        row_classes = _classes([(sub[a].tobytes(), sub_inf[a].tobytes())
+                                for a in range(len(rows))], rows)
+        reps = [rows.index(c[0]) for c in row_classes]
+        col_classes = _classes([(sub[reps, b].tobytes(), sub_inf[reps, b].tobytes())
+                                for b in range(len(cols))], cols)
+        if len(row_classes) == 1 or len(col_classes) == 1:
+            if inf[np.ix_(rows, cols)].any():
+                raise ValueError("a separable edge forbids strategy pairs")
+            if len(col_classes) == 1:  # M[i, j] = r_i: a cost of u's strategies
+                j0 = cols[0]
+                for i in rows:
+                    for _, g in grids:
+                        terms.fold_entry.append(int(self.base[u]) + i)
+                        terms.fold_src.append(int(g[i, j0]))
+            else:  # M[i, j] = c_j: a cost of v's strategies
+                i0 = rows[0]
+                for j in cols:
+                    for _, g in grids:
+                        terms.fold_entry.append(int(self.base[v]) + j)
+                        terms.fold_src.append(int(g[i0, j]))
+            return
+        terms.pair_edges.append((u, v, [g for _, g in grids]))
+        self._add_pair_vars(proto, u, v, [g for _, g in grids], inf, row_classes, col_classes,
+                            n_x, terms)
+
+    def _add_pair_vars(self, proto: _Proto, u: int, v: int, grids: list[np.ndarray],
+                       inf: np.ndarray, row_classes: list[list[int]],
+                       col_classes: list[list[int]], n_x: int, terms: _EdgeTerms) -> None:
+        """Adds a pair variable per allowed (row class, column class), and its marginal rows.
+
+        The variables' costs (the sum of the members' entries) go to ``terms``.
+        """
+        xu, xv = dict(self.x[u]), dict(self.x[v])
+        i_rep = np.asarray([c[0] for c in row_classes])
+        j_rep = np.asarray([c[0] for c in col_classes])
+        a_idx, b_idx = np.nonzero(~inf[np.ix_(i_rep, j_rep)])
+        pairs = proto.new_vars(len(a_idx))
+        row_terms: list[list[int]] = [[] for _ in row_classes]
+        col_terms: list[list[int]] = [[] for _ in col_classes]
+        for a, b, var in zip(a_idx.tolist(), b_idx.tolist(), pairs, strict=True):
+            row_terms[a].append(var)
+            col_terms[b].append(var)
+        for g in grids:  # the pair's cost: the sum of the members' entries
+            terms.y_var.append(np.asarray(pairs, dtype=np.int64) - n_x)
+            terms.y_src.append(g[i_rep[a_idx], j_rep[b_idx]])
+        for classes, class_terms, ends in ((row_classes, row_terms, xu),
+                                           (col_classes, col_terms, xv)):
+            for members_of_class, pair_vars in zip(classes, class_terms, strict=True):
+                proto.row(0.0, 0.0, pair_vars + [ends[s] for s in members_of_class],
+                          [1.0] * len(pair_vars) + [-1.0] * len(members_of_class))
+
+    def _load(self, model: linear_solver_pb2.MPModelProto, n_x: int) -> None:
+        """Loads ``model`` into GLOP (``self.lp``); its first ``n_x`` variables are strategies."""
         lp = pywraplp.Solver.CreateSolver("GLOP")
         if lp is None:  # pragma: no cover - GLOP ships in every ortools wheel
             raise RuntimeError("OR-Tools has no GLOP")
@@ -282,8 +301,8 @@ class ProblemFamily:
         lp.SetSolverSpecificParametersAsString(GLOP_PARAMETERS)
         self.lp = lp
         variables = lp.variables()
-        self.x_vars = variables[:len(x_entry)]
-        y_vars = variables[len(x_entry):]
+        self.x_vars = variables[:n_x]
+        y_vars = variables[n_x:]
         self._x_objects = {r: [(s, variables[var]) for s, var in xs] for r, xs in self.x.items()}
         self.y_vars = y_vars
         self.trivial = not y_vars and all(len(xs) == 1 for xs in self.x.values())
@@ -292,13 +311,6 @@ class ProblemFamily:
                                          dtype=np.int64)
         self._variables = [*self.x_vars, *y_vars]
         self._coefficients = np.zeros(len(self._variables))  # as the model starts
-        self.y_var = (np.concatenate(y_var).astype(np.int64) if y_var
-                      else np.zeros(0, dtype=np.int64))
-        self.y_src = (np.concatenate(y_src).astype(np.int64) if y_src
-                      else np.zeros(0, dtype=np.int64))
-        self.fold_entry = np.asarray(fold_entry, dtype=np.int64)
-        self.fold_src = np.asarray(fold_src, dtype=np.int64)
-        self.pair_edges = pair_edges
 
     # ------------------------------------------------------------------ solving
     def solve(self, compute: np.ndarray, communication: np.ndarray,
@@ -422,6 +434,43 @@ class ProblemFamily:
             float(c[assignment[s] * int(self.counts[d]) + assignment[d]])
             for (s, d), c in zip(self.edges, edge_costs, strict=True))
         return total_compute + total_comm + resharding + 0.0
+
+
+class _Proto:
+    """The relaxation being written as a proto: variables and rows added in bulk."""
+
+    def __init__(self) -> None:
+        self.model = linear_solver_pb2.MPModelProto()
+        self._unit = linear_solver_pb2.MPVariableProto(lower_bound=0.0, upper_bound=1.0)
+
+    def new_vars(self, k: int) -> list[int]:
+        """``k`` new variables in ``[0, 1]``; their indices."""
+        first = len(self.model.variable)
+        self.model.variable.extend([self._unit] * k)
+        return list(range(first, first + k))
+
+    def row(self, lower: float, upper: float, index: list[int],
+            coefficient: list[float]) -> None:
+        """A new row ``lower <= sum coefficient[i] x[index[i]] <= upper``."""
+        constraint = self.model.constraint.add(lower_bound=lower, upper_bound=upper)
+        constraint.var_index.extend(index)
+        constraint.coefficient.extend(coefficient)
+
+
+@dataclass(frozen=True)
+class _EdgeTerms:
+    """What the merged edges add besides variables and rows, in order."""
+
+    y_var: list[np.ndarray]
+    """Per block of pair variables, their indices counted after the strategy variables."""
+    y_src: list[np.ndarray]
+    """Per block alike, the global edge entry whose cost each variable takes (summed)."""
+    fold_entry: list[int]
+    """Root entries that take an edge entry's cost (edges folded into one end)."""
+    fold_src: list[int]
+    """Per ``fold_entry``, the global edge entry whose cost it adds."""
+    pair_edges: list[tuple[int, int, list[np.ndarray]]]
+    """(root u, root v, per member edge its [|S_u|, |S_v|] global entries): for rounding."""
 
 
 def _classes(keys: Sequence[Hashable], members: Sequence[int]) -> list[list[int]]:

@@ -104,18 +104,10 @@ def _build(
     with_objective: bool = True,
     hint: Mapping[int, int] | None = None,
 ) -> _Model:
-    """Builds the CP-SAT model with the constraint ``families`` given.
-
-    Kept as one function (longer than the usual ~60 lines) because the variables, the objective
-    terms and the cost-cap expression are built side by side from the same loops; splitting it
-    would pass half a dozen accumulators between helpers.
-    """
+    """Builds the CP-SAT model with the constraint ``families`` given."""
     model = cp_model.CpModel()
-    exact: dict[int, float] = {}
+    terms = _Terms([], [], [], {})
     x: dict[int, list[Any]] = {}
-    obj_vars: list[Any] = []
-    obj_coefs: list[int] = []
-    cap_coefs: list[int] = []
     for r in red.members:
         x[r] = [model.new_bool_var(f"x{r}_{s}") for s in range(len(red.cost[r]))]
         model.add_exactly_one(x[r])
@@ -123,32 +115,11 @@ def _build(
             if red.forbidden_by[r][s]:
                 model.add(var == 0)
             else:
-                obj_vars.append(var)
-                obj_coefs.append(scaling.to_int(red.cost[r][s]))
-                exact[var.index] = red.cost[r][s]
-                cap_coefs.append(scaling.to_int(red.plain[r][s]))
+                terms.add(var, scaling.to_int(red.cost[r][s]), red.cost[r][s],
+                          scaling.to_int(red.plain[r][s]))
     edge_vars = 0
     for (u, v), m in red.edges.items():
-        rows, cols = _classes(m, red.allowed(u), red.allowed(v))
-        row_terms: dict[int, list[Any]] = {a: [] for a in range(len(rows))}
-        col_terms: dict[int, list[Any]] = {b: [] for b in range(len(cols))}
-        for a, row in enumerate(rows):
-            for b, col in enumerate(cols):
-                c = m[row[0]][col[0]]
-                if math.isinf(c):
-                    continue
-                y = model.new_bool_var(f"y{u}_{a}_{v}_{b}")
-                row_terms[a].append(y)
-                col_terms[b].append(y)
-                obj_vars.append(y)
-                obj_coefs.append(scaling.to_int(c))
-                exact[y.index] = c
-                cap_coefs.append(obj_coefs[-1])
-                edge_vars += 1
-        for lhs, classes, marginals in ((x[u], rows, row_terms), (x[v], cols, col_terms)):
-            for k, terms in marginals.items():
-                model.add(cp_model.LinearExpr.sum(terms)
-                          == cp_model.LinearExpr.sum([lhs[i] for i in classes[k]]))
+        edge_vars += _add_edge(model, red, scaling, x, terms, u, v, m)
     if "alias" in families:
         for ra, i, rb, j in red.alias_pairs:
             model.add_bool_or([x[ra][i].Not(), x[rb][j].Not()])
@@ -157,20 +128,70 @@ def _build(
     excess = _add_memory(problem, red, scaling, model, x, families)
     constant = scaling.to_int(red.constant)
     if "max_cost" in families and problem.max_cost is not None:
-        _add_cost_cap(problem, scaling, model, obj_vars, cap_coefs, constant, excess)
+        _add_cost_cap(problem, scaling, model, terms.obj_vars, terms.cap_coefs, constant, excess)
+    exact = terms.exact
     if with_objective:
-        terms, coefs = list(obj_vars), list(obj_coefs)
+        obj_terms, coefs = list(terms.obj_vars), list(terms.obj_coefs)
         if excess is not None and scaling.penalty_int:
-            terms.append(excess)
+            obj_terms.append(excess)
             coefs.append(scaling.penalty_int)
             exact[excess.index] = scaling.penalty_int / (scaling.cost_scale * scaling.int_per_unit)
-        model.minimize(cp_model.LinearExpr.weighted_sum(terms, coefs) + constant)
+        model.minimize(cp_model.LinearExpr.weighted_sum(obj_terms, coefs) + constant)
     if hint is not None:
         for r, var_list in x.items():
             for s, var in enumerate(var_list):
                 model.add_hint(var, s == hint[r])
     stats = {"node_variables": sum(len(v) for v in x.values()), "edge_variables": edge_vars}
     return _Model(model, x, stats, exact)
+
+
+@dataclass(frozen=True)
+class _Terms:
+    """The objective's terms as the model is built: integer, exact and cost-cap coefficients.
+
+    ``exact`` becomes ``_Model.exact_objective``.
+    """
+
+    obj_vars: list[Any]
+    obj_coefs: list[int]
+    cap_coefs: list[int]
+    exact: dict[int, float]
+
+    def add(self, var: Any, coef: int, exact: float, cap_coef: int) -> None:
+        """Adds ``var``'s term."""
+        self.obj_vars.append(var)
+        self.obj_coefs.append(coef)
+        self.exact[var.index] = exact
+        self.cap_coefs.append(cap_coef)
+
+
+def _add_edge(model: cp_model.CpModel, red: Reduced, scaling: Scaling,
+              x: Mapping[int, list[Any]], terms: _Terms, u: int, v: int,
+              m: list[list[float]]) -> int:
+    """Adds the pair variables of merged edge ``(u, v)`` and their marginals; how many.
+
+    One variable per (row class, column class) of ``m`` with a finite cost.
+    """
+    rows, cols = _classes(m, red.allowed(u), red.allowed(v))
+    row_terms: dict[int, list[Any]] = {a: [] for a in range(len(rows))}
+    col_terms: dict[int, list[Any]] = {b: [] for b in range(len(cols))}
+    added = 0
+    for a, row in enumerate(rows):
+        for b, col in enumerate(cols):
+            c = m[row[0]][col[0]]
+            if math.isinf(c):
+                continue
+            y = model.new_bool_var(f"y{u}_{a}_{v}_{b}")
+            row_terms[a].append(y)
+            col_terms[b].append(y)
+            coef = scaling.to_int(c)
+            terms.add(y, coef, c, coef)
+            added += 1
+    for lhs, classes, marginals in ((x[u], rows, row_terms), (x[v], cols, col_terms)):
+        for k, class_terms in marginals.items():
+            model.add(cp_model.LinearExpr.sum(class_terms)
+                      == cp_model.LinearExpr.sum([lhs[i] for i in classes[k]]))
+    return added
 
 
 def _classes(m: list[list[float]], rows: list[int], cols: list[int]

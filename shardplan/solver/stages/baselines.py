@@ -582,28 +582,13 @@ def _megatron_point(grid: _Grid, d: int, k: int, runs: list[tuple[tuple[int, ...
                     signatures: list[tuple[int, ...]], used: list[int], mb: int, remat: Remat,
                     schedule: Schedule, v: int, split: tuple[tuple[int, int], ...],
                     total: int) -> Iterator[_Candidate]:
+    """The grid point's candidate, if its stages have options, split the batch and fit."""
     problem = grid.problem
     n = len(problem.layers)
     size = n // (k * v) if v > 1 else 0
-
-    def ranges(i: int) -> list[tuple[int, int]]:
-        """Stage ``i``'s layer ranges (its chunks when interleaved)."""
-        if v == 1:
-            return [split[i]]
-        return [((i + c * k) * size, (i + c * k + 1) * size) for c in range(v)]
-
-    # Per signature: stage seconds, feasibility of options (independent of the microbatch size
-    # and schedule: computed once per signature, sub-mesh, remat and split).
-    figures: dict[tuple[int, ...], _StageFigures] = {}
-    for sig in signatures:
-        key = (d, remat, v, split, sig)
-        if key not in grid.memo:
-            grid.memo[key] = _signature_figures(grid, sig, d, remat,
-                                                [tuple(ranges(i)) for i in range(k)])
-        found = grid.memo[key]
-        if found is None:
-            return
-        figures[sig] = found
+    figures = _point_figures(grid, signatures, d, remat, k, v, size, split)
+    if figures is None:
+        return
     # Per signature: the stages' seconds per microbatch, their sum and the slowest.
     cost: dict[tuple[int, ...], tuple[float, float]] = {}
     for sig, x in figures.items():
@@ -616,21 +601,12 @@ def _megatron_point(grid: _Grid, d: int, k: int, runs: list[tuple[tuple[int, ...
         return
     rows = _runs([sig for sig, _ in runs], [count for _, count in runs], split_m[1],
                  split_m[0], step)
-    # Memory: each signature's stages under its largest microbatch count.
-    most: dict[tuple[int, ...], int] = {}
-    for sig, _, m in rows:
-        most[sig] = max(most.get(sig, 0), m)
-    for sig, m in most.items():
-        x = figures[sig]
-        for i, g in enumerate(sig):
-            flight = in_flight(schedule, i, k, m, v)
-            held = stage_held(x.state_bytes[i], x.activation_bytes[i], x.work_bytes[i], mb,
-                              flight)
-            if not _fits(held, problem.groups[g].memory_bytes):
-                return
+    if not _rows_fit(problem, figures, rows, mb, schedule, k, v):
+        return
     pipe = max(cost[sig][0] / v + (m - 1) * cost[sig][1] for sig, _, m in rows)
     update = max(figures[sig].update_s for sig in signatures)
-    stage_layers = [tuple(j for a, b in ranges(i) for j in range(a, b)) for i in range(k)]
+    stage_layers = [tuple(j for a, b in _stage_ranges(split, i, k, v, size) for j in range(a, b))
+                    for i in range(k)]
 
     def stages(sig: tuple[int, ...]) -> tuple[StagePlacement, ...]:
         return tuple(StagePlacement(g, d, stage_layers[i], remat) for i, g in enumerate(sig))
@@ -644,6 +620,52 @@ def _megatron_point(grid: _Grid, d: int, k: int, runs: list[tuple[tuple[int, ...
                                   for _ in range(count)), mb, schedule, v)
 
     yield _Candidate(_bound(problem, pipe + update, used), value, build)
+
+
+def _stage_ranges(split: tuple[tuple[int, int], ...], i: int, k: int, v: int, size: int
+                  ) -> list[tuple[int, int]]:
+    """Stage ``i``'s layer ranges (its chunks of ``size`` layers when interleaved)."""
+    if v == 1:
+        return [split[i]]
+    return [((i + c * k) * size, (i + c * k + 1) * size) for c in range(v)]
+
+
+def _point_figures(grid: _Grid, signatures: list[tuple[int, ...]], d: int, remat: Remat,
+                   k: int, v: int, size: int, split: tuple[tuple[int, int], ...]
+                   ) -> dict[tuple[int, ...], _StageFigures] | None:
+    """Per signature, its :class:`_StageFigures` (memoised); ``None`` if a stage has none."""
+    # Per signature: stage seconds, feasibility of options (independent of the microbatch size
+    # and schedule: computed once per signature, sub-mesh, remat and split).
+    figures: dict[tuple[int, ...], _StageFigures] = {}
+    for sig in signatures:
+        key = (d, remat, v, split, sig)
+        if key not in grid.memo:
+            grid.memo[key] = _signature_figures(
+                grid, sig, d, remat,
+                [tuple(_stage_ranges(split, i, k, v, size)) for i in range(k)])
+        found = grid.memo[key]
+        if found is None:
+            return None
+        figures[sig] = found
+    return figures
+
+
+def _rows_fit(problem: PipelineProblem, figures: dict[tuple[int, ...], _StageFigures],
+              rows: list[tuple[tuple[int, ...], int, int]], mb: int, schedule: Schedule,
+              k: int, v: int) -> bool:
+    """Whether each signature's stages hold their memory under its largest microbatch count."""
+    most: dict[tuple[int, ...], int] = {}
+    for sig, _, m in rows:
+        most[sig] = max(most.get(sig, 0), m)
+    for sig, m in most.items():
+        x = figures[sig]
+        for i, g in enumerate(sig):
+            flight = in_flight(schedule, i, k, m, v)
+            held = stage_held(x.state_bytes[i], x.activation_bytes[i], x.work_bytes[i], mb,
+                              flight)
+            if not _fits(held, problem.groups[g].memory_bytes):
+                return False
+    return True
 
 
 def _signature_figures(grid: _Grid, sig: tuple[int, ...], d: int, remat: Remat,

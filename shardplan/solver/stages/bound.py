@@ -87,6 +87,40 @@ MOST_SUBSETS = 6
 _Option = tuple[int, float, int, float, float]
 
 
+def _kind_options(problem: PipelineProblem, mb: int, schedule: Schedule, v: int
+                  ) -> dict[int, list[_Option]]:
+    """Per layer kind, the options the bound sees, each with its fastest fitting remat's time.
+
+    An option counts where some remat holds one microbatch of ``mb`` samples.
+    """
+    by_kind: dict[int, list[_Option]] = {}
+    n = len(problem.layers)
+    # Interleaved stages of identical layers hold n / k layers each and at least
+    # ((v - 1) k + 1) / v stages' activations (m >= k), so an option fits only at some k.
+    stage_counts = ([k for k in range(1, n // v + 1) if n % (k * v) == 0
+                     and (not problem.max_stages or k <= problem.max_stages)]
+                    if schedule == "interleaved" and v > 1 and len(set(problem.layers)) == 1
+                    else [])
+    for k in sorted(set(problem.layers)):
+        opts: list[_Option] = []
+        for g, group in enumerate(problem.groups):
+            for o in problem.kinds[k].options.get(g, ()):
+                fits = [r for r in problem.remats if o.devices <= group.count
+                        and o.state_bytes + 1.0 * mb * o.activation_bytes[r]
+                        <= group.memory_bytes
+                        and (not stage_counts or any(
+                            n / ks * (o.state_bytes + ((v - 1) * ks + 1) / v * mb
+                                      * o.activation_bytes[r])
+                            <= group.memory_bytes * (1 + SAFETY) for ks in stage_counts))]
+                if fits:
+                    t = min(o.forward_s[0] + o.forward_s[1] * mb + o.backward_s[0]
+                            + o.backward_s[1] * mb + o.recompute_s[r][0]
+                            + o.recompute_s[r][1] * mb for r in fits)
+                    opts.append((g, t, o.devices, o.state_bytes * o.devices, o.update_s))
+        by_kind[k] = opts
+    return by_kind
+
+
 class Fluid:
     """The fluid capacity ``F(tau)`` of one configuration and the bounds built on it.
 
@@ -103,31 +137,7 @@ class Fluid:
         self.problem, self.total, self.v, self.mb = problem, problem.batch // mb, v, mb
         n_groups = len(problem.groups)
         self.counts = np.array([g.count for g in problem.groups], dtype=float)
-        by_kind: dict[int, list[_Option]] = {}
-        n = len(problem.layers)
-        # Interleaved stages of identical layers hold n / k layers each and at least
-        # ((v - 1) k + 1) / v stages' activations (m >= k), so an option fits only at some k.
-        stage_counts = ([k for k in range(1, n // v + 1) if n % (k * v) == 0
-                         and (not problem.max_stages or k <= problem.max_stages)]
-                        if schedule == "interleaved" and v > 1 and len(set(problem.layers)) == 1
-                        else [])
-        for k in sorted(set(problem.layers)):
-            opts: list[_Option] = []
-            for g, group in enumerate(problem.groups):
-                for o in problem.kinds[k].options.get(g, ()):
-                    fits = [r for r in problem.remats if o.devices <= group.count
-                            and o.state_bytes + 1.0 * mb * o.activation_bytes[r]
-                            <= group.memory_bytes
-                            and (not stage_counts or any(
-                                n / ks * (o.state_bytes + ((v - 1) * ks + 1) / v * mb
-                                          * o.activation_bytes[r])
-                                <= group.memory_bytes * (1 + SAFETY) for ks in stage_counts))]
-                    if fits:
-                        t = min(o.forward_s[0] + o.forward_s[1] * mb + o.backward_s[0]
-                                + o.backward_s[1] * mb + o.recompute_s[r][0]
-                                + o.recompute_s[r][1] * mb for r in fits)
-                        opts.append((g, t, o.devices, o.state_bytes * o.devices, o.update_s))
-            by_kind[k] = opts
+        by_kind = _kind_options(problem, mb, schedule, v)
         # per distinct kind, its options and how many layers have it
         self.kind_layers = [(by_kind[k], problem.layers.count(k)) for k in sorted(by_kind)]
         self.usable = bool(self.kind_layers) and all(
@@ -142,6 +152,13 @@ class Fluid:
         self.prefix_fill = [0.0]
         for k in problem.layers:
             self.prefix_fill.append(self.prefix_fill[-1] + fastest[k] * (1 - SAFETY))
+        self._set_lines(n_groups, v)
+        groups = range(n_groups)
+        self.most_replicas = max(self._most_replicas(tuple(groups)), 1)
+        self.update_floor = self._update_floor(tuple(groups))
+
+    def _set_lines(self, n_groups: int, v: int) -> None:
+        """The capacity's lines per group (``rho_g``), their breakpoints and the values there."""
         least_work = [min(d * t for _, t, d, _, _ in opts) for opts, _ in self.kind_layers]
         work = sum(lw * count for lw, (_, count) in zip(least_work, self.kind_layers,
                                                         strict=True))
@@ -166,9 +183,6 @@ class Fluid:
         self.points = np.array(sorted(points))
         self.rho_points = np.stack([self._rho(g, self.points) for g in range(n_groups)])
         self.tail = np.array([s.max() if len(s) else 0.0 for s in self.slopes])
-        groups = range(n_groups)
-        self.most_replicas = max(self._most_replicas(tuple(groups)), 1)
-        self.update_floor = self._update_floor(tuple(groups))
 
     def _rho(self, g: int, tau: np.ndarray) -> np.ndarray:
         if not len(self.slopes[g]):

@@ -67,7 +67,7 @@ Step time (:func:`evaluate_pipeline`), per replica with ``k`` stages and ``m`` m
   ``i + 1``, so a round trip from stage ``i`` through ``j`` is covered by only ``j - i + 1``
   microbatches and transfers sit on the steady state's critical path. On balanced stages
   without transfers this is the textbook ``(m + k - 1) t``; with transfers the simulator
-  (:mod:`shardplan.solver.stages.simulate`) never takes longer (``tests/test_simulate.py``), and
+  (:mod:`shardplan.solver.stages.simulate`) never takes longer (``tests/solver/test_simulate.py``), and
   takes as long up to the first microbatches and a stage whose own round trip hides under
   its warm-up. GPipe gets the same closed form (the stage planner's rule G), although
   draining every forward before the first backward makes it pay the forward and the

@@ -321,6 +321,8 @@ def quick_mix(problem: PipelineProblem, shapes: list[Shape], bound: PlanBound, f
     tau_floor = fluid.least_tau(sweep.total - fluid.most_replicas) if fluid.usable else 0.0
     queue: list[tuple[float, float]] = [(math.inf, math.inf)]
     seen: set[tuple[float, float]] = set()
+    # A round per limits (sigma, update): the least feasible bound, the replica counts ranked
+    # over a grid above it and the best split exactly; then rounds that cut an overhead.
     while queue and len(seen) < ROUNDS:
         limits = queue.pop(0)
         if limits in seen:
@@ -333,54 +335,78 @@ def quick_mix(problem: PipelineProblem, shapes: list[Shape], bound: PlanBound, f
             lo = 0.0
         tau_first = sweep.least_tau(lo, tau_top, limits)
         sweep.scored = []
-        # Replica counts as they become feasible over a grid of bounds (fewer replicas may
-        # synchronise faster at a longer pipeline time), ranked by their value at the grid
-        # point, the best refined to their least bound and split exactly.
-        # (value at the grid point less the grid step: what it may reach), lo, hi
-        ranked: dict[tuple[int, ...], tuple[float, float, float]] = {}
-        tables = sweep.tables(tau_first, limits)
-        for reps in sweep.feasible(tau_first, limits, tables):
-            ranked[reps] = (sweep.estimate(tau_first, reps, tables), tau_first, tau_first)
-        top = tau_top
-        if not bound.cost:
-            top = min(tau_top, sweep.best, *(e for e, _, _ in ranked.values())
-                      ) - fluid.update_floor
-        prev = tau_first
-        for i in range(1, GRID_POINTS + 1):
-            if budget.over(len(shapes)) or top <= tau_first:
-                break
-            tau = tau_first + (top - tau_first) * (i / GRID_POINTS) ** 2
-            tables = sweep.tables(tau, limits)
-            for reps in sweep.feasible(tau, limits, tables) - set(ranked):
-                value = sweep.estimate(tau, reps, tables)
-                ranked[reps] = (value - (tau - prev) if not bound.cost else value, prev, tau)
-            prev = tau
-        for reps in sorted(ranked, key=lambda r: (ranked[r][0], r))[:CANDIDATES]:
-            if budget.over(len(shapes)):
-                break
-            _, lo, hi = ranked[reps]
-            tau = sweep.least_tau(lo, hi, limits, reps) if hi > lo else hi
-            for _ in range(REPICKS):  # the best replicas at the split's own time, again
-                split_tau = sweep.score(sweep.picks(tau, limits, reps))
-                if split_tau is None or split_tau >= tau or reps not in sweep.feasible(
-                        split_tau, limits):
-                    break
-                tau = split_tau
+        ranked = _ranked(sweep, len(shapes), limits, tau_first, tau_top)
+        _split_ranked(sweep, len(shapes), limits, ranked)
         if bound.cost:
             _cheaper(sweep, tau_first, tau_top, limits)
-        # Cut an overhead of this round's best plans: allow only smaller gradient shares per
-        # device (synchronisation) or shorter updates; not for a configuration that trails.
-        if not sweep.scored or min(sweep.scored)[0] > (1 + SLACK) * min(bound.best,
-                                                                        sweep.best):
-            continue
-        for _, _, sig, update in sorted(sweep.scored)[:2]:
-            below = [s.sigma for s in shapes if s.sigma < sig]
-            if below:
-                queue.append((max(below), limits[1]))
-            below = [s.update_s for s in shapes if s.update_s < update]
-            if below:
-                queue.append((limits[0], max(below)))
+        queue += _overhead_cuts(sweep, shapes, limits)
     return sweep.mix()
+
+
+def _ranked(sweep: _Sweep, n_shapes: int, limits: tuple[float, float], tau_first: float,
+            tau_top: float) -> dict[tuple[int, ...], tuple[float, float, float]]:
+    """Replica counts as they become feasible over a grid of bounds from ``tau_first``.
+
+    Each with its value at its grid point (less the grid step: what it may reach) and the
+    bracket ``(lo, hi]`` of bounds it became feasible in.
+    """
+    bound, fluid, budget = sweep.bound, sweep.fluid, sweep.budget
+    # (fewer replicas may synchronise faster at a longer pipeline time, hence the grid)
+    # reps -> (value at the grid point less the grid step: what it may reach), lo, hi
+    ranked: dict[tuple[int, ...], tuple[float, float, float]] = {}
+    tables = sweep.tables(tau_first, limits)
+    for reps in sweep.feasible(tau_first, limits, tables):
+        ranked[reps] = (sweep.estimate(tau_first, reps, tables), tau_first, tau_first)
+    top = tau_top
+    if not bound.cost:
+        top = min(tau_top, sweep.best, *(e for e, _, _ in ranked.values())
+                  ) - fluid.update_floor
+    prev = tau_first
+    for i in range(1, GRID_POINTS + 1):
+        if budget.over(n_shapes) or top <= tau_first:
+            break
+        tau = tau_first + (top - tau_first) * (i / GRID_POINTS) ** 2
+        tables = sweep.tables(tau, limits)
+        for reps in sweep.feasible(tau, limits, tables) - set(ranked):
+            value = sweep.estimate(tau, reps, tables)
+            ranked[reps] = (value - (tau - prev) if not bound.cost else value, prev, tau)
+        prev = tau
+    return ranked
+
+
+def _split_ranked(sweep: _Sweep, n_shapes: int, limits: tuple[float, float],
+                  ranked: dict[tuple[int, ...], tuple[float, float, float]]) -> None:
+    """Refines the best :data:`CANDIDATES` of ``ranked`` and splits them exactly (``score``)."""
+    for reps in sorted(ranked, key=lambda r: (ranked[r][0], r))[:CANDIDATES]:
+        if sweep.budget.over(n_shapes):
+            break
+        _, lo, hi = ranked[reps]
+        tau = sweep.least_tau(lo, hi, limits, reps) if hi > lo else hi
+        for _ in range(REPICKS):  # the best replicas at the split's own time, again
+            split_tau = sweep.score(sweep.picks(tau, limits, reps))
+            if split_tau is None or split_tau >= tau or reps not in sweep.feasible(
+                    split_tau, limits):
+                break
+            tau = split_tau
+
+
+def _overhead_cuts(sweep: _Sweep, shapes: list[Shape], limits: tuple[float, float]
+                   ) -> list[tuple[float, float]]:
+    """The limits of the next rounds: each cuts an overhead of this round's best plans."""
+    out: list[tuple[float, float]] = []
+    # Cut an overhead of this round's best plans: allow only smaller gradient shares per
+    # device (synchronisation) or shorter updates; not for a configuration that trails.
+    if not sweep.scored or min(sweep.scored)[0] > (1 + SLACK) * min(sweep.bound.best,
+                                                                    sweep.best):
+        return out
+    for _, _, sig, update in sorted(sweep.scored)[:2]:
+        below = [s.sigma for s in shapes if s.sigma < sig]
+        if below:
+            out.append((max(below), limits[1]))
+        below = [s.update_s for s in shapes if s.update_s < update]
+        if below:
+            out.append((limits[0], max(below)))
+    return out
 
 
 def _cheaper(sweep: _Sweep, tau_first: float, tau_top: float,

@@ -8,7 +8,7 @@ per-replica figures (computed by the function ``evaluate_pipeline`` itself uses)
 synchronisation, update and price summed over the same values in the same order, so a plan
 scored here and the same plan evaluated in full compare equal. Only structurally valid plans
 (:func:`~shardplan.solver.stages.pipeline.check_pipeline` finds nothing) may be scored; the
-baselines build no others, and ``tests/test_baselines.py`` checks every candidate of random
+baselines build no others, and ``tests/solver/test_baselines.py`` checks every candidate of random
 problems against the full evaluation.
 
 Example:

@@ -130,7 +130,7 @@ floors are taken ``1e-9`` relative below their real-arithmetic value.
 
 Cost: exponential in the worst case (the number of undominated shapes grows with the layers,
 devices and sub-mesh sizes); problems of tens of layers and devices take seconds
-(``tests/test_stage_planner.py`` checks the search against a brute force). GPT-3 on hundreds
+(``tests/solver/test_stage_planner.py`` checks the search against a brute force). GPT-3 on hundreds
 of GPUs per type is out of the exact search's reach: there the quick plan and the fluid floor
 come back at the time limit (``benchmarks/stage_scale.py``).
 
@@ -157,7 +157,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shardplan.errors import ConfigError, InfeasibleError, SolverError, format_error
 from shardplan.solver.stages.bound import Fluid, PlanBound
@@ -287,14 +287,7 @@ def infeasibility_report(problem: PipelineProblem, /) -> InfeasibilityReport:
     mb = min(sizes) if sizes else min(problem.microbatch_sizes, default=1)
     floors, minimum = [], []
     for g in range(len(problem.groups)):
-        need = 0.0
-        for k in problem.layers:
-            best = math.inf
-            for o in problem.kinds[k].options.get(g, ()):
-                for r in problem.remats:
-                    best = min(best, o.state_bytes + 1.0 * mb * o.activation_bytes[r])
-            need = max(need, best)
-        floors.append(need)
+        floors.append(_memory_floor(problem, g, mb))
         minimum.append(_min_devices(problem, g, mb))
     fits = any(m is not None and m <= grp.count for m, grp in zip(minimum, problem.groups,
                                                                    strict=True))
@@ -308,35 +301,11 @@ def infeasibility_report(problem: PipelineProblem, /) -> InfeasibilityReport:
         remedy = (f"give PlanConfig.microbatch_sizes that divide the batch {problem.batch}, "
                   "or leave it empty (the powers of two that divide the batch)")
     elif set(problem.schedules) == {"interleaved"} and not cuts:
-        # Interleaving cuts the layers into stages x chunks equal parts (rule I).
-        why = ("every requested chunk count exceeds the layers" if min(problem.chunks) > n
-               else f"no (stages x chunks) divides {n}")
-        reason = (f"the interleaved schedule (the only one allowed) cuts the model's {n} "
-                  f"pipeline layers into (stages x chunks) equal parts, and with "
-                  f"PlanConfig.chunks {list(problem.chunks)}"
-                  + (f" and PlanConfig.max_stages {problem.max_stages}"
-                     if problem.max_stages else "")
-                  + f" no stage count does: {why}")
-        divisors = [v for v in range(2, n + 1) if n % v == 0]
-        remedy = ("allow the 1f1b or gpipe schedule (PlanConfig.schedules), or ask for "
-                  + (f"PlanConfig.chunks that divide {n}: {divisors}" if divisors
-                     else "a model with more layers"))
+        reason, remedy = _interleaving_reason(problem)
     elif not fits:
         reason = "no group holds one replica of the model in memory"
     elif problem.stacks:
-        a, b = max(problem.stacks, key=lambda ab: ab[1] - ab[0])
-        rows = b - a
-        reason = ("one replica fits in memory, but not with its scanned stack (pipeline "
-                  f"layers {a}..{b - 1}, {rows} rows of stacked leaves) cut into runs of equal "
-                  "length on alike stages, as the runtime holds them, together with every "
-                  "other constraint (schedule memory, interleaving divisibility, "
-                  "PlanConfig.max_stages, devices"
-                  + (", PlanConfig.min_throughput)" if problem.objective == "cost" else ")"))
-        remedy = ("allow a stage count whose runs divide the stack's rows (runs of "
-                  f"{[rows // q for q in range(1, rows + 1) if rows % q == 0]} rows; "
-                  "PlanConfig.max_stages), more memory (PlanConfig.memory_budget_bytes) or "
-                  "remat (PlanConfig.remats), or write the blocks as a Python loop (each block "
-                  "its own parameters, cut anywhere)")
+        reason, remedy = _stack_reason(problem)
     else:
         reason = ("one replica fits in memory, but no plan meets every constraint together "
                   "(schedule memory, interleaving divisibility, PlanConfig.max_stages, devices"
@@ -344,6 +313,58 @@ def infeasibility_report(problem: PipelineProblem, /) -> InfeasibilityReport:
     return InfeasibilityReport(tuple(floors), tuple(g.memory_bytes for g in problem.groups),
                                tuple(minimum), tuple(g.count for g in problem.groups), reason,
                                remedy)
+
+
+def _memory_floor(problem: PipelineProblem, g: int, mb: int) -> float:
+    """The least bytes per device of group ``g`` the most demanding layer needs.
+
+    Its cheapest option and remat, ``mb`` samples, one microbatch in flight.
+    """
+    need = 0.0
+    for k in problem.layers:
+        best = math.inf
+        for o in problem.kinds[k].options.get(g, ()):
+            for r in problem.remats:
+                best = min(best, o.state_bytes + 1.0 * mb * o.activation_bytes[r])
+        need = max(need, best)
+    return need
+
+
+def _interleaving_reason(problem: PipelineProblem) -> tuple[str, str]:
+    """Reason and remedy: interleaving, the only schedule allowed, cuts no equal chunks."""
+    n = len(problem.layers)
+    # Interleaving cuts the layers into stages x chunks equal parts (rule I).
+    why = ("every requested chunk count exceeds the layers" if min(problem.chunks) > n
+           else f"no (stages x chunks) divides {n}")
+    reason = (f"the interleaved schedule (the only one allowed) cuts the model's {n} "
+              f"pipeline layers into (stages x chunks) equal parts, and with "
+              f"PlanConfig.chunks {list(problem.chunks)}"
+              + (f" and PlanConfig.max_stages {problem.max_stages}"
+                 if problem.max_stages else "")
+              + f" no stage count does: {why}")
+    divisors = [v for v in range(2, n + 1) if n % v == 0]
+    remedy = ("allow the 1f1b or gpipe schedule (PlanConfig.schedules), or ask for "
+              + (f"PlanConfig.chunks that divide {n}: {divisors}" if divisors
+                 else "a model with more layers"))
+    return reason, remedy
+
+
+def _stack_reason(problem: PipelineProblem) -> tuple[str, str]:
+    """Reason and remedy: a replica fits, but its scanned stack is not cut into equal runs."""
+    a, b = max(problem.stacks, key=lambda ab: ab[1] - ab[0])
+    rows = b - a
+    reason = ("one replica fits in memory, but not with its scanned stack (pipeline "
+              f"layers {a}..{b - 1}, {rows} rows of stacked leaves) cut into runs of equal "
+              "length on alike stages, as the runtime holds them, together with every "
+              "other constraint (schedule memory, interleaving divisibility, "
+              "PlanConfig.max_stages, devices"
+              + (", PlanConfig.min_throughput)" if problem.objective == "cost" else ")"))
+    remedy = ("allow a stage count whose runs divide the stack's rows (runs of "
+              f"{[rows // q for q in range(1, rows + 1) if rows % q == 0]} rows; "
+              "PlanConfig.max_stages), more memory (PlanConfig.memory_budget_bytes) or "
+              "remat (PlanConfig.remats), or write the blocks as a Python loop (each block "
+              "its own parameters, cut anywhere)")
+    return reason, remedy
 
 
 def _min_devices(problem: PipelineProblem, g: int, mb: int) -> int | None:
@@ -428,76 +449,15 @@ def solve_pipeline(problem: PipelineProblem, /, *,
     configs = _configs(problem)
     fluids = [Fluid(problem, mb, schedule, v) for mb, schedule, v in configs]
     floors = [fluid.bound() for fluid in fluids]
-    types: dict[int, _Types] = {}
-    tables: dict[int, dict] = {}
-    best_value = math.inf
-    best: PipelinePlan | None = None
-    seed_index = -1
-    for i, seed in enumerate(seeds):
-        ev = evaluate_pipeline(problem, seed)
-        value = ev.step_time_s if problem.objective == "time" else ev.cost_per_step
-        if ev.feasible and value < best_value:
-            best_value, best, seed_index = value, seed, i
-    labels = n_shapes = n_states = 0
-    # Phase 1: uniform replicas only, a quick plan per configuration, the smallest microbatch
-    # first (times are linear in its size, so the pipeline bubble grows with it), then the
-    # least floor.
-    quick = [math.inf] * len(configs)
-    for i in sorted(range(len(configs)), key=lambda i: (configs[i][0], floors[i], i)):
-        mb, schedule, v = configs[i]
-        if floors[i] >= best_value or (best is not None and budget.over(0)):
-            continue  # (past the budget, only until there is a plan)
-        types.setdefault(mb, _Types(problem, mb))
-        # Until there is a plan the quick phase runs unbounded; its work still counts.
-        fence = budget if best is not None else Budget()
-        mix = _quick(problem, mb, schedule, v, bound_for(mb, best_value, fluids[i]),
-                     fluids[i], types[mb], tables.setdefault(mb, {}), fence)
-        if fence is not budget:
-            budget.spend(fence.spent)
-        if mix is not None:
-            quick[i] = mix.value
-            if mix.value < best_value:
-                best_value, best, seed_index = mix.value, _plan(mix, mb, schedule, v), -1
+    search = _Search(problem, budget, bound_for, configs, fluids, floors)
+    search.offer_seeds(seeds)
+    quick = search.quick_phase()
     quick_s = time.perf_counter() - start
-    # Phase 2: every replica shape, the most promising configuration first (rule F skips a
-    # configuration whose floor cannot beat the best).
-    open_floors = []
-    for i in sorted(range(len(configs)), key=lambda i: (quick[i], floors[i], i)):
-        mb, schedule, v = configs[i]
-        if floors[i] >= best_value:
-            continue
-        try:
-            budget.check()
-            bound = bound_for(mb, best_value, fluids[i])
-            types.setdefault(mb, _Types(problem, mb))
-            shapes, kept = replica_shapes(problem, mb, schedule, v, bound, budget, types[mb])
-            labels, n_shapes = labels + kept, n_shapes + len(shapes)
-            mix = best_mix(problem, shapes, bound, budget) if shapes else None
-        except SearchTimeout:
-            open_floors.append(floors[i])
-            continue
-        if mix is not None:
-            n_states += mix.states
-            if mix.value < best_value:
-                best_value, best, seed_index = mix.value, _plan(mix, mb, schedule, v), -1
+    labels, n_shapes, n_states, open_floors = search.full_phase(quick)
     optimal = not open_floors
-    if best is None:
-        if optimal:
-            raise PipelineInfeasibleError(infeasibility_report(problem),
-                                          tuple(g.name for g in problem.groups))
-        # PlanConfig.stage_work_limit / stage_time_limit_s become work_limit / time_limit_s.
-        units = (f"{budget.spent:,} of {problem.work_limit:,} work units" if problem.work_limit
-                 else f"{budget.spent:,} work units, no work limit")
-        raise SolverError(format_error(
-            f"The stage planner found no plan within its budget ({units}, time limit "
-            f"{problem.time_limit_s:g} s) and could not prove that none exists.",
-            where="PlanConfig.stage_work_limit, PlanConfig.stage_time_limit_s",
-            value={"stage_work_limit": problem.work_limit,
-                   "stage_time_limit_s": problem.time_limit_s},
-            remedy="raise PlanConfig.stage_work_limit (0: no limit) or "
-                   "PlanConfig.stage_time_limit_s, or narrow the search "
-                   "(PlanConfig.microbatch_sizes, .schedules, .remats, .chunks, .max_stages)"))
-    plan = best
+    if search.best is None:
+        raise _no_plan_error(problem, budget, optimal)
+    plan = search.best
     evaluation = evaluate_pipeline(problem, plan)
     if not evaluation.feasible:  # the search and the evaluator disagree: a bug, not the input
         raise SolverError(format_error(
@@ -506,8 +466,116 @@ def solve_pipeline(problem: PipelineProblem, /, *,
     value = evaluation.step_time_s if problem.objective == "time" else evaluation.cost_per_step
     floor = value if optimal else min(value, *open_floors)
     stats = SolveStats(len(configs), labels, n_shapes, n_states, time.perf_counter() - start,
-                       optimal, floor, quick_s, budget.spent, seed_index)
+                       optimal, floor, quick_s, budget.spent, search.seed_index)
     return PipelineSolution(plan, evaluation, stats)
+
+
+@dataclass
+class _Search:
+    """One search's state; mutable: the phases improve its best plan.
+
+    The configurations with their fluid bounds and floors, the budget, the tables shared per
+    microbatch size, and the best plan so far.
+    """
+
+    problem: PipelineProblem
+    budget: Budget
+    bound_for: Callable[..., PlanBound]
+    configs: list[tuple[int, Schedule, int]]
+    fluids: list[Fluid]
+    floors: list[float]
+    best_value: float = math.inf
+    best: PipelinePlan | None = None
+    seed_index: int = -1
+    """The index of the seed ``best`` is, or -1 (found by the search)."""
+    types: dict[int, _Types] = field(default_factory=dict)
+    tables: dict[int, dict] = field(default_factory=dict)
+
+    def offer_seeds(self, seeds: Sequence[PipelinePlan]) -> None:
+        """Takes the best feasible seed as the best plan (ties: the earlier seed)."""
+        problem = self.problem
+        for i, seed in enumerate(seeds):
+            ev = evaluate_pipeline(problem, seed)
+            value = ev.step_time_s if problem.objective == "time" else ev.cost_per_step
+            if ev.feasible and value < self.best_value:
+                self.best_value, self.best, self.seed_index = value, seed, i
+
+    def quick_phase(self) -> list[float]:
+        """Phase 1: the quick plan of each configuration; per configuration its value."""
+        problem, configs, floors, budget = self.problem, self.configs, self.floors, self.budget
+        # Uniform replicas only, a quick plan per configuration, the smallest microbatch first
+        # (times are linear in its size, so the pipeline bubble grows with it), then the least
+        # floor.
+        quick = [math.inf] * len(configs)
+        for i in sorted(range(len(configs)), key=lambda i: (configs[i][0], floors[i], i)):
+            mb, schedule, v = configs[i]
+            if floors[i] >= self.best_value or (self.best is not None and budget.over(0)):
+                continue  # (past the budget, only until there is a plan)
+            self.types.setdefault(mb, _Types(problem, mb))
+            # Until there is a plan the quick phase runs unbounded; its work still counts.
+            fence = budget if self.best is not None else Budget()
+            mix = _quick(problem, mb, schedule, v,
+                         self.bound_for(mb, self.best_value, self.fluids[i]), self.fluids[i],
+                         self.types[mb], self.tables.setdefault(mb, {}), fence)
+            if fence is not budget:
+                budget.spend(fence.spent)
+            if mix is not None:
+                quick[i] = mix.value
+                if mix.value < self.best_value:
+                    self.best_value, self.best, self.seed_index = (
+                        mix.value, _plan(mix, mb, schedule, v), -1)
+        return quick
+
+    def full_phase(self, quick: Sequence[float]) -> tuple[int, int, int, list[float]]:
+        """Phase 2: every replica shape; the labels, shapes and states, and the open floors.
+
+        The most promising configuration first (rule F skips a configuration whose floor cannot
+        beat the best); the open floors are those of the configurations the budget cut.
+        """
+        problem, configs, floors, budget = self.problem, self.configs, self.floors, self.budget
+        labels = n_shapes = n_states = 0
+        open_floors = []
+        for i in sorted(range(len(configs)), key=lambda i: (quick[i], floors[i], i)):
+            mb, schedule, v = configs[i]
+            if floors[i] >= self.best_value:
+                continue
+            try:
+                budget.check()
+                bound = self.bound_for(mb, self.best_value, self.fluids[i])
+                self.types.setdefault(mb, _Types(problem, mb))
+                shapes, kept = replica_shapes(problem, mb, schedule, v, bound, budget,
+                                              self.types[mb])
+                labels, n_shapes = labels + kept, n_shapes + len(shapes)
+                mix = best_mix(problem, shapes, bound, budget) if shapes else None
+            except SearchTimeout:
+                open_floors.append(floors[i])
+                continue
+            if mix is not None:
+                n_states += mix.states
+                if mix.value < self.best_value:
+                    self.best_value, self.best, self.seed_index = (
+                        mix.value, _plan(mix, mb, schedule, v), -1)
+        return labels, n_shapes, n_states, open_floors
+
+
+def _no_plan_error(problem: PipelineProblem, budget: Budget, optimal: bool
+                   ) -> InfeasibleError | SolverError:
+    """Why the search returns no plan: none exists (``optimal``), or the budget ran out first."""
+    if optimal:
+        return PipelineInfeasibleError(infeasibility_report(problem),
+                                       tuple(g.name for g in problem.groups))
+    # PlanConfig.stage_work_limit / stage_time_limit_s become work_limit / time_limit_s.
+    units = (f"{budget.spent:,} of {problem.work_limit:,} work units" if problem.work_limit
+             else f"{budget.spent:,} work units, no work limit")
+    return SolverError(format_error(
+        f"The stage planner found no plan within its budget ({units}, time limit "
+        f"{problem.time_limit_s:g} s) and could not prove that none exists.",
+        where="PlanConfig.stage_work_limit, PlanConfig.stage_time_limit_s",
+        value={"stage_work_limit": problem.work_limit,
+               "stage_time_limit_s": problem.time_limit_s},
+        remedy="raise PlanConfig.stage_work_limit (0: no limit) or "
+               "PlanConfig.stage_time_limit_s, or narrow the search "
+               "(PlanConfig.microbatch_sizes, .schedules, .remats, .chunks, .max_stages)"))
 
 
 def _plan(mix: Mix, mb: int, schedule: Schedule, v: int) -> PipelinePlan:

@@ -499,21 +499,11 @@ def _linear(problem: PipelineProblem, types: _Types, schedule: Schedule, total: 
     different keys are never compared, so the rules keep an optimal plan among the legal
     ones."""
     n, n_groups = len(problem.layers), len(problem.groups)
-    inside: list[tuple[int, int] | None] = [None] * (n + 1)  # the stack a cut here splits
-    for a, b in problem.stacks:
-        for i in range(a + 1, b):
-            inside[i] = (a, b)
+    inside = _stack_cuts(problem)
     mems = [problem.groups[g].memory_bytes for g, _, _ in types.types]
     runs = [types.runs(ti, mems[ti]) for ti in range(len(types.types))]
     counts = [g.count for g in problem.groups]
-    by_position = schedule != "gpipe" or problem.max_stages > 0
-    safe = bound.safe
-
-    def better(a: Label, b: Label) -> bool:
-        return (a[1] <= b[1] and a[2] <= b[2] and a[3] >= b[3] and a[4] <= b[4]
-                and a[5] <= b[5] and (not by_position or a[6] <= b[6])
-                and _usage_le(a[0], b[0], safe) and _windows_le(a[9], b[9]))
-
+    better = _linear_better(schedule != "gpipe" or problem.max_stages > 0, bound.safe)
     kept = tried = 0
     # key (first layer, hop class of the front stage) -> labels of the stages from there on
     # and, where the front stage starts inside a scanned stack, its (group, devices, rows)
@@ -566,11 +556,36 @@ def _linear(problem: PipelineProblem, types: _Types, schedule: Schedule, total: 
                         kept += _insert(
                             buckets.setdefault((i, types.hop_class[g, d], here), []),
                             new, better)
+    return _linear_shapes(types, buckets), kept
+
+
+def _stack_cuts(problem: PipelineProblem) -> list[tuple[int, int] | None]:
+    """Per position ``0 .. n``, the scanned stack an edge there cuts inside, or ``None``."""
+    inside: list[tuple[int, int] | None] = [None] * (len(problem.layers) + 1)
+    for a, b in problem.stacks:
+        for i in range(a + 1, b):
+            inside[i] = (a, b)
+    return inside
+
+
+def _linear_better(by_position: bool, safe: Sequence[bool]) -> Callable[[Label, Label], bool]:
+    """Rule L: whether suffix label ``a`` dominates ``b`` (stage counts if ``by_position``)."""
+
+    def better(a: Label, b: Label) -> bool:
+        return (a[1] <= b[1] and a[2] <= b[2] and a[3] >= b[3] and a[4] <= b[4]
+                and a[5] <= b[5] and (not by_position or a[6] <= b[6])
+                and _usage_le(a[0], b[0], safe) and _windows_le(a[9], b[9]))
+
+    return better
+
+
+def _linear_shapes(types: _Types, buckets: dict[tuple, list[Label]]) -> list[Shape]:
+    """The shapes of the finished labels: those whose front stage starts at layer 0."""
     shapes: list[Shape] = []
     for key, labs in buckets.items():
         if key[0] == 0 and key[1] is not None:
             shapes.extend(_shape(types, lab, 1, 1) for lab in labs)
-    return shapes, kept
+    return shapes
 
 
 def _windows_le(a: Sequence[float], b: Sequence[float]) -> bool:
@@ -604,89 +619,129 @@ def _interleaved(problem: PipelineProblem, types: _Types, schedule: Schedule, v:
     """Interleaved: for each stage count ``k`` whose ``k v`` chunks cut the layers evenly, a
     dynamic program over the stages front to back (the state keeps the first stage's sub-mesh
     for the hops that wrap from the last stage to the first)."""
-    n, n_groups = len(problem.layers), len(problem.groups)
-    counts = [g.count for g in problem.groups]
-    safe = bound.safe
-    mems = [problem.groups[g].memory_bytes for g, _, _ in types.types]
+    n = len(problem.layers)
+    better = _interleaved_better(bound.safe)
     shapes: list[Shape] = []
     kept = 0
+    for k in range(1, n // v + 1):
+        if n % (k * v) or (problem.max_stages and k > problem.max_stages):
+            continue
+        found, labels = _interleaved_k(problem, types, schedule, v, k, total, bound, budget,
+                                       better)
+        shapes += found
+        kept += labels
+    return shapes, kept
+
+
+def _interleaved_better(safe: Sequence[bool]) -> Callable[[Label, Label], bool]:
+    """Rule I: whether label ``a`` dominates ``b``."""
 
     def better(a: Label, b: Label) -> bool:
         return (a[1] <= b[1] and a[2] <= b[2] and a[3] >= b[3] and a[4] <= b[4]
                 and a[5] <= b[5] and _usage_le(a[0], b[0], safe))
 
-    for k in range(1, n // v + 1):
-        if n % (k * v) or (problem.max_stages and k > problem.max_stages):
-            continue
-        size = n // (k * v)
-        layers_of = [tuple(j for c in range(v) for j in range((i + c * k) * size,
-                                                             (i + c * k + 1) * size))
-                     for i in range(k)]
-        # The scanned stacks these chunks cut: each must be legal whatever the stages' groups
-        # (its runs of one length, on distinct stages); then its stages share a group and
-        # sub-mesh size, which the labels' keys carry (``hosts``: per such stack, the first
-        # (group, devices) seen on it).
-        placements = [StagePlacement(0, 1, layers) for layers in layers_of]
-        if stack_violations(problem.stacks, placements):
-            continue
-        spans = [[i for i, layers in enumerate(layers_of) if any(a <= x < b for x in layers)]
-                 for a, b in problem.stacks]
-        spans = [held for held in spans if len(held) > 1]
-        sums = [[types.sums(ti, layers_of[i]) for ti in range(len(types.types))]
-                for i in range(k)]
-        # key (hop classes of the first and the previous stage) -> labels
-        level: dict[tuple, list[Label]] = {
-            (None, None, (None,) * len(spans)):
-                [((0,) * n_groups, 0.0, 0.0, total, 0.0, 0.0, 0, None, None, ())]}
-        for i in range(k):
-            nxt: dict[tuple, list[Label]] = {}
-            for key in sorted(level, key=repr):
-                first, prev, hosts = key
-                for lab in level[key]:
-                    budget.check(1 + len(types.types))
-                    usage, sec, bott, cap, sig, upd = lab[:6]
-                    for ti, (g, d, _r) in enumerate(types.types):
-                        agg = sums[i][ti]
-                        if agg is None or usage[g] + d > counts[g]:
-                            continue
-                        if any(i in held and hosts[x] not in (None, (g, d))
-                               for x, held in enumerate(spans)):
-                            continue
-                        t, st, ac, up, sg = agg
-                        scap = stage_cap(schedule, st, ac, types.mb, mems[ti], total, i, k, v)
-                        if scap < k:
-                            continue
-                        nsec, nbott = sec + t, max(bott, t)
-                        cls = types.hop_class[g, d]
-                        if prev is not None:  # v hops from stage i - 1 to stage i
-                            for c in range(v):
-                                h = types.hop(g, d, prev, ((i - 1) + c * k + 1) * size - 1)
-                                nsec += v * h
-                                nbott = max(nbott, v * h / 2)
-                        if i == k - 1 and k > 1:  # v - 1 hops wrapping to stage 0
-                            f = first if first is not None else cls
-                            for c in range(v - 1):
-                                h = types.hop(g, d, f, ((k - 1) + c * k + 1) * size - 1)
-                                nsec += v * h
-                                nbott = max(nbott, v * h / 2)
-                        nupd, ncap = max(upd, up), min(cap, scap)
-                        nu = (*usage[:g], usage[g] + d, *usage[g + 1:])
-                        nsig = max(sig, sg)
-                        if bound.hopeless(fill_s(nsec, nbott, v), nbott, ncap - ncap % k, k,
-                                          nsig, nupd, nu):
-                            continue
-                        new = (nu, nsec, nbott, ncap, nsig, nupd, i + 1, lab,
-                               (ti, layers_of[i]), ())
-                        nkey = (first if first is not None else cls, cls,
-                                tuple((g, d) if i in held else hosts[x]
-                                      for x, held in enumerate(spans)))
-                        kept += _insert(nxt.setdefault(nkey, []), new, better)
-            level = nxt
-        for labs in level.values():
-            for lab in labs:
-                s = _shape(types, lab, v, k)
-                cap = s.cap - s.cap % k
-                if cap >= k:
-                    shapes.append(Shape(s.stages, s.usage, s.fill_s, s.bottleneck_s, cap, k,
-                                        s.sigma, s.update_s))
-    return shapes, kept
+    return better
+
+
+def _interleaved_k(problem: PipelineProblem, types: _Types, schedule: Schedule, v: int, k: int,
+                   total: int, bound: PlanBound, budget: Budget,
+                   better: Callable[[Label, Label], bool]) -> tuple[list[Shape], int]:
+    """The interleaved shapes of ``k`` stages and the labels kept (a DP front to back)."""
+    chunks = _interleaved_chunks(problem, types, v, k)
+    if chunks is None:
+        return [], 0
+    size, layers_of, spans, sums = chunks
+    counts = [g.count for g in problem.groups]
+    mems = [problem.groups[g].memory_bytes for g, _, _ in types.types]
+    # key (hop classes of the first and the previous stage) -> labels
+    level: dict[tuple, list[Label]] = {
+        (None, None, (None,) * len(spans)):
+            [((0,) * len(problem.groups), 0.0, 0.0, total, 0.0, 0.0, 0, None, None, ())]}
+    kept = 0
+    for i in range(k):
+        nxt: dict[tuple, list[Label]] = {}
+        for key in sorted(level, key=repr):
+            first, prev, hosts = key
+            for lab in level[key]:
+                budget.check(1 + len(types.types))
+                usage, sec, bott, cap, sig, upd = lab[:6]
+                for ti, (g, d, _r) in enumerate(types.types):
+                    agg = sums[i][ti]
+                    if agg is None or usage[g] + d > counts[g]:
+                        continue
+                    if any(i in held and hosts[x] not in (None, (g, d))
+                           for x, held in enumerate(spans)):
+                        continue
+                    t, st, ac, up, sg = agg
+                    scap = stage_cap(schedule, st, ac, types.mb, mems[ti], total, i, k, v)
+                    if scap < k:
+                        continue
+                    nsec, nbott = sec + t, max(bott, t)
+                    cls = types.hop_class[g, d]
+                    if prev is not None:  # v hops from stage i - 1 to stage i
+                        for c in range(v):
+                            h = types.hop(g, d, prev, ((i - 1) + c * k + 1) * size - 1)
+                            nsec += v * h
+                            nbott = max(nbott, v * h / 2)
+                    if i == k - 1 and k > 1:  # v - 1 hops wrapping to stage 0
+                        f = first if first is not None else cls
+                        for c in range(v - 1):
+                            h = types.hop(g, d, f, ((k - 1) + c * k + 1) * size - 1)
+                            nsec += v * h
+                            nbott = max(nbott, v * h / 2)
+                    nupd, ncap = max(upd, up), min(cap, scap)
+                    nu = (*usage[:g], usage[g] + d, *usage[g + 1:])
+                    nsig = max(sig, sg)
+                    if bound.hopeless(fill_s(nsec, nbott, v), nbott, ncap - ncap % k, k,
+                                      nsig, nupd, nu):
+                        continue
+                    new = (nu, nsec, nbott, ncap, nsig, nupd, i + 1, lab,
+                           (ti, layers_of[i]), ())
+                    nkey = (first if first is not None else cls, cls,
+                            tuple((g, d) if i in held else hosts[x]
+                                  for x, held in enumerate(spans)))
+                    kept += _insert(nxt.setdefault(nkey, []), new, better)
+        level = nxt
+    return _interleaved_shapes(types, level, v, k), kept
+
+
+def _interleaved_chunks(problem: PipelineProblem, types: _Types, v: int, k: int
+                        ) -> tuple[int, list[tuple[int, ...]], list[list[int]],
+                                   list[list[tuple[float, ...] | None]]] | None:
+    """For ``k`` interleaved stages: chunk size, stages' layers, stack spans and layer sums.
+
+    The spans: per scanned stack the chunks cut, the stages holding it; the sums: per stage
+    and type, :meth:`_Types.sums`. ``None`` when the chunks cut a stack illegally.
+    """
+    n = len(problem.layers)
+    size = n // (k * v)
+    layers_of = [tuple(j for c in range(v) for j in range((i + c * k) * size,
+                                                         (i + c * k + 1) * size))
+                 for i in range(k)]
+    # The scanned stacks these chunks cut: each must be legal whatever the stages' groups
+    # (its runs of one length, on distinct stages); then its stages share a group and
+    # sub-mesh size, which the labels' keys carry (``hosts``: per such stack, the first
+    # (group, devices) seen on it).
+    placements = [StagePlacement(0, 1, layers) for layers in layers_of]
+    if stack_violations(problem.stacks, placements):
+        return None
+    spans = [[i for i, layers in enumerate(layers_of) if any(a <= x < b for x in layers)]
+             for a, b in problem.stacks]
+    spans = [held for held in spans if len(held) > 1]
+    sums = [[types.sums(ti, layers_of[i]) for ti in range(len(types.types))]
+            for i in range(k)]
+    return size, layers_of, spans, sums
+
+
+def _interleaved_shapes(types: _Types, level: dict[tuple, list[Label]], v: int, k: int
+                        ) -> list[Shape]:
+    """The shapes of the last level's labels, each cap a multiple of ``k`` (at least ``k``)."""
+    shapes: list[Shape] = []
+    for labs in level.values():
+        for lab in labs:
+            s = _shape(types, lab, v, k)
+            cap = s.cap - s.cap % k
+            if cap >= k:
+                shapes.append(Shape(s.stages, s.usage, s.fill_s, s.bottleneck_s, cap, k,
+                                    s.sigma, s.update_s))
+    return shapes

@@ -55,7 +55,7 @@ Where it differs from the closed form
 Per replica, with ``t_i = f_i + b_i`` (backward including recomputation), ``c_h`` a hop's
 two transfers, ``f'`` / ``b'`` the stage forwards / backwards with every hop's one-way
 ``c_h / 2`` appended, and ``w_i = min(m, k - i)``, the simulator finds
-(``tests/test_simulate.py`` checks each statement):
+(``tests/solver/test_simulate.py`` checks each statement):
 
 * **1F1B**: the closed form's ``sum t + sum c + (m - 1) P``
   (:func:`~shardplan.solver.stages.pipeline.period_1f1b`: the largest of ``max t``, ``max c / 2``
@@ -482,41 +482,16 @@ def simulate(problem: PipelineProblem, plan: PipelinePlan, /, *,
         _replica_tasks(problem, plan, r, stages[r], v, tasks, resources)
     start = _play(tasks, resources)
     if timeline:
-        for r, q in enumerate(twin):
-            if q != r:
-                for key, t in list(tasks.items()):
-                    if key[0] == q:
-                        tasks[(r, *key[1:])] = dataclasses.replace(t, replica=r)
-                        start[(r, *key[1:])] = start[key]
+        _copy_twins(tasks, start, twin)
     end = {key: start[key] + t.duration_s for key, t in tasks.items()}
     n = len(plan.replicas)
-    busy = [[0.0] * len(rep.stages) for rep in plan.replicas]
-    times = [0.0] * n
-    for key, t in tasks.items():
-        if t.kind in ("forward", "backward"):
-            busy[t.replica][t.stage] += t.duration_s
-            times[t.replica] = max(times[t.replica], end[key])
-    for r, q in enumerate(twin):
-        busy[r], times[r] = busy[q], times[q]
+    busy, times = _busy_and_times(plan, tasks, end, twin)
     pipe = max(times)
     idle = [sum(s.devices * (times[r] - b) for s, b in zip(stages[r], busy[r], strict=True))
             for r in range(n)]
     devices = [sum(s.devices for s in stages[r]) for r in range(n)]
     overall_idle = sum(idle[r] + devices[r] * (pipe - times[r]) for r in range(n))
-    peaks: list[tuple[float, ...]] = []
-    counts: list[tuple[int, ...]] = []
-    for r, rep in enumerate(plan.replicas):
-        if twin[r] != r:
-            peaks.append(peaks[twin[r]])
-            counts.append(counts[twin[r]])
-            continue
-        k = len(rep.stages)
-        held = [_peak(device_order(plan.schedule, i, k, rep.microbatches, v), stages[r][i])
-                for i in range(k)]
-        # The state and one backward program's working bytes (as the closed form counts them).
-        state = [_state_and_work(problem, s, plan.microbatch_size) for s in rep.stages]
-        peaks.append(tuple(st + h for st, (h, _) in zip(state, held, strict=True)))
-        counts.append(tuple(c for _, c in held))
+    peaks, counts = _peaks(problem, plan, stages, twin, v)
     sync, update, finish = _sync_update_s(problem, plan)
     events: tuple[Event, ...] = ()
     if timeline:
@@ -532,3 +507,48 @@ def simulate(problem: PipelineProblem, plan: PipelinePlan, /, *,
                                       else 0.0 for r in range(n)),
         peak_memory_bytes=tuple(peaks), peak_chunks=tuple(counts),
         peak_in_flight=tuple(tuple(c / v for c in row) for row in counts), events=events)
+
+
+def _copy_twins(tasks: dict[_Key, _Task], start: dict[_Key, float], twin: Sequence[int]) -> None:
+    """Gives each twin copy (``twin[r] != r``) its twin's tasks and start times as its own."""
+    for r, q in enumerate(twin):
+        if q != r:
+            for key, t in list(tasks.items()):
+                if key[0] == q:
+                    tasks[(r, *key[1:])] = dataclasses.replace(t, replica=r)
+                    start[(r, *key[1:])] = start[key]
+
+
+def _busy_and_times(plan: PipelinePlan, tasks: dict[_Key, _Task], end: dict[_Key, float],
+                    twin: Sequence[int]) -> tuple[list[list[float]], list[float]]:
+    """Per replica and stage, the seconds computing; per replica, when its computing ends."""
+    busy = [[0.0] * len(rep.stages) for rep in plan.replicas]
+    times = [0.0] * len(plan.replicas)
+    for key, t in tasks.items():
+        if t.kind in ("forward", "backward"):
+            busy[t.replica][t.stage] += t.duration_s
+            times[t.replica] = max(times[t.replica], end[key])
+    for r, q in enumerate(twin):
+        busy[r], times[r] = busy[q], times[q]
+    return busy, times
+
+
+def _peaks(problem: PipelineProblem, plan: PipelinePlan, stages: list[list[_Stage]],
+           twin: Sequence[int], v: int
+           ) -> tuple[list[tuple[float, ...]], list[tuple[int, ...]]]:
+    """Per replica and stage, the peak bytes a device holds and the most chunks in flight."""
+    peaks: list[tuple[float, ...]] = []
+    counts: list[tuple[int, ...]] = []
+    for r, rep in enumerate(plan.replicas):
+        if twin[r] != r:
+            peaks.append(peaks[twin[r]])
+            counts.append(counts[twin[r]])
+            continue
+        k = len(rep.stages)
+        held = [_peak(device_order(plan.schedule, i, k, rep.microbatches, v), stages[r][i])
+                for i in range(k)]
+        # The state and one backward program's working bytes (as the closed form counts them).
+        state = [_state_and_work(problem, s, plan.microbatch_size) for s in rep.stages]
+        peaks.append(tuple(st + h for st, (h, _) in zip(state, held, strict=True)))
+        counts.append(tuple(c for _, c in held))
+    return peaks, counts
