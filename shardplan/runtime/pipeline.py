@@ -512,7 +512,8 @@ class PipelinedStep:
                  for ts, width in zip(tasks, self._widths, strict=True)]
         cut_rows = RowSplit(len(split.cut_avals), cut_runs)
         if rows.runs or cut_runs:  # the update over the pieces (rows.py)
-            split = _update_over_pieces(split, rows, cut_rows, n_state)
+            split = _update_over_pieces(split, rows, cut_rows, n_state,
+                                        returns_state=self._parent is None)
             for s, (state_sh, batch_sh) in shardings.items():
                 shardings[s] = ([state_sh[j] for j, _ in rows.internal], batch_sh)
         update, where, home, cut_at = self._update_programs(split, tasks, cut_vars, shardings)
@@ -1073,14 +1074,16 @@ def _row_split(split: StepSplit, state: Any,
 
 
 def _update_over_pieces(split: StepSplit, rows: RowSplit, cut_rows: RowSplit,
-                        n_state: int) -> StepSplit:
-    """``split`` with its update over the pieces of the leaves and cut values held so."""
+                        n_state: int, *, returns_state: bool = True) -> StepSplit:
+    """``split`` with its update over the pieces of the leaves and cut values held so; its
+    first ``n_state`` outputs are the new state's leaves, held in the same pieces, unless it
+    is an evaluation's (``returns_state=False``: its outputs are metrics, whole)."""
     cut_runs = cut_rows.runs
     update_jaxpr = split_rows(
         split.update,
         [*(rows.runs.get(j) for j in range(n_state)),
          *(cut_runs.get(i) for i in range(len(split.cut_avals)))],
-        [rows.runs.get(j) if j < n_state else None
+        [rows.runs.get(j) if returns_state and j < n_state else None
          for j in range(len(split.update.jaxpr.outvars))])
     return dataclasses.replace(split, update=update_jaxpr,
                                cut_avals=tuple(cut_rows.avals(split.cut_avals)))

@@ -57,6 +57,30 @@ def test_an_evaluation_runs_on_the_stages_holding_a_quarter_of_the_model_each() 
     assert ids == {0, 1, 2, 3}
 
 
+def test_an_evaluation_of_a_scanned_stack_held_in_rows_per_stage() -> None:
+    # gpt-tiny-scan's four blocks are one nnx.scan; cut into quarters, each stage holds its
+    # rows of the stacked parameters. The evaluation's last program returns metrics, not the
+    # state: it must not cut them into the state's rows (it did: an IndexError in `shardplan
+    # train` at the first validation of a scanned model's pipeline). Its loss equals the
+    # unsharded forward's.
+    config = models.load_model_config("gpt-tiny-scan", overrides={"n_layers": 4})
+    graphdef, state = models.init_train_state(config, seed=0)
+    step = models.make_train_step(graphdef)
+    batch = models.example_batch(config, 16, seed=0)
+    one = sp.make_plan(step, jax.eval_shape(lambda: state), jax.eval_shape(lambda: batch),
+                       cluster=sp.Cluster.local(types={"a100-80g": 8}),
+                       config=sp.PlanConfig(max_stages=1))
+    run = sp.apply_plan(step, staged_plan(one, [QUARTERS], 4, [4]), measure_steps=0)
+    reference = jax.jit(step)(state, batch)[0]
+    state, _ = run(state, batch)
+    assert run._ready.rows.runs, "the stacked leaves are held in rows per stage"
+    metrics = _eval_metrics(_forward(graphdef))
+    val = models.example_batch(config, 16, seed=7)
+    got = run.evaluator(metrics)(state, val)
+    want = jax.jit(metrics)(reference, val)
+    np.testing.assert_allclose(float(got["loss"]), float(want["loss"]), rtol=1e-5, atol=1e-5)
+
+
 def _gpt_planned(**options):
     """gpt-tiny, its step, a batch of 16 and its plan on 8 A100s (local) under ``options``."""
     config = models.load_model_config("gpt-tiny")
