@@ -27,7 +27,6 @@ Example:
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +44,7 @@ from shardplan._format import (
     table_lines,
     wrap_text,
 )
-from shardplan.errors import ConfigError, format_error
+from shardplan.errors import ConfigError, did_you_mean, format_error
 from shardplan.plan.plan import VIEWS
 
 if TYPE_CHECKING:
@@ -254,13 +253,12 @@ def _leaf(plan: Plan, tensor: str) -> list[str]:
                 lines.append("  no alternative: the leaf has one possible sharding")
     if not found:
         keys = [*plan.param_specs, *{key_pattern(k) for k in plan.param_specs}]
-        close = difflib.get_close_matches(tensor, list(dict.fromkeys(keys)), n=3, cutoff=0.5)
+        close = did_you_mean(tensor, dict.fromkeys(keys), n=3, cutoff=0.5).rstrip()
         raise ConfigError(format_error(
             f"The plan has no state leaf {tensor!r}.", where="Plan.explain(tensor=...)",
             value=tensor,
-            remedy=(f"did you mean {' or '.join(map(repr, close))}?" if close else
-                    "pass a key path of plan.param_specs, or a pattern as plan.summary() "
-                    "prints it")))
+            remedy=close or ("pass a key path of plan.param_specs, or a pattern as "
+                             "plan.summary() prints it")))
     return lines
 
 
