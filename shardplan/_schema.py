@@ -6,6 +6,10 @@ the cluster parser, the plan file, the planner's, data's and the run's configs c
 same way. The wording of a message stays with its caller: each check takes what it names, its
 error class and, where two callers phrase one check differently, the phrasing.
 
+One module over the ~600-line guide on purpose: its four parts (frozen mappings, locations and
+messages, typed checks, dataclasses from mappings) call each other, and half its lines are the
+docstrings every reader of a config relies on.
+
 Example:
     >>> FrozenMap({"blocks/10": 1, "blocks/2": 2})
     FrozenMap({'blocks/2': 2, 'blocks/10': 1})
