@@ -7,7 +7,7 @@ same way. The wording of a message stays with its caller: each check takes what 
 error class and, where two callers phrase one check differently, the phrasing.
 
 One module over the ~600-line guide on purpose: its four parts (frozen mappings, locations and
-messages, typed checks, dataclasses from mappings) call each other, and half its lines are the
+messages, typed checks, dataclasses from mappings) call each other, and a third of its lines are the
 docstrings every reader of a config relies on.
 
 Example:
