@@ -6,14 +6,28 @@ the cluster parser, the plan file, the planner's, data's and the run's configs c
 same way. The wording of a message stays with its caller: each check takes what it names, its
 error class and, where two callers phrase one check differently, the phrasing.
 
-One module over the ~600-line guide on purpose: its four parts (frozen mappings, locations and
-messages, typed checks, dataclasses from mappings) call each other, and a third of its lines are the
-docstrings every reader of a config relies on. Example: >>> FrozenMap({"blocks/10": 1, "blocks/2":
-2}) FrozenMap({'blocks/2': 2, 'blocks/10': 1}) >>> import dataclasses >>>
-@dataclasses.dataclass(frozen=True) ... class Opts: ... steps: int = 10 ... rate: float = 0.5 >>>
-build(Opts, {"steps": 3, "rate": 1}, "opts") Opts(steps=3, rate=1.0) >>> try: ... build(Opts,
-{"stepz": 3}, "opts") ... except ConfigError as err: ... print(err) Unknown key 'stepz'. where:
-opts.stepz value: 'stepz' fix: did you mean 'steps'? keys here: steps, rate
+One module over the ~600-line guide on purpose: its four parts (frozen mappings, locations
+and messages, typed checks, dataclasses from mappings) call each other, and a third of its
+lines are the docstrings every reader of a config relies on.
+
+Example:
+    >>> FrozenMap({"blocks/10": 1, "blocks/2": 2})
+    FrozenMap({'blocks/2': 2, 'blocks/10': 1})
+    >>> import dataclasses
+    >>> @dataclasses.dataclass(frozen=True)
+    ... class Opts:
+    ...     steps: int = 10
+    ...     rate: float = 0.5
+    >>> build(Opts, {"steps": 3, "rate": 1}, "opts")
+    Opts(steps=3, rate=1.0)
+    >>> try:
+    ...     build(Opts, {"stepz": 3}, "opts")
+    ... except ConfigError as err:
+    ...     print(err)
+    Unknown key 'stepz'.
+      where: opts.stepz
+      value: 'stepz'
+      fix:   did you mean 'steps'? keys here: steps, rate
 """
 
 from __future__ import annotations
