@@ -12,6 +12,7 @@ from typing import Any
 
 from shardplan._traceback import api_boundary
 from shardplan.cluster import Cluster
+from shardplan.errors import ConfigError, format_error
 from shardplan.plan import Plan
 from shardplan.plan.match import check_plan_matches
 from shardplan.plan.stamp import cluster_info
@@ -79,7 +80,7 @@ def make_plan(train_step: Callable[..., Any], state: Any, batch: Any, /, *, clus
                      annotations=annotations, compiled_peak=compiled_peak)
 
 
-def check_plan(plan: Plan, train_step: Callable[..., Any], state: Any, batch: Any, /, *,
+def check_plan(train_step: Callable[..., Any], plan: Plan, state: Any, batch: Any, /, *,
                cluster: Cluster | None = None) -> None:
     """Checks that ``plan`` was made for ``train_step`` on these arguments (and ``cluster``).
 
@@ -89,10 +90,13 @@ def check_plan(plan: Plan, train_step: Callable[..., Any], state: Any, batch: An
     fingerprint (:func:`~shardplan.planner.single.graph_fingerprint`) and layers, and the
     cluster's hash with what the plan records.
 
+    The arguments come in :func:`apply_plan`'s order: the step, then its plan.
+
     Raises:
       PlanMismatchError: naming every difference found: a state or batch leaf of another shape
         or dtype, added or missing; a stage layer the step does not have, or a step layer no
         stage runs; another program; a cluster with other devices.
+      ConfigError: ``plan`` is not a :class:`~shardplan.plan.Plan` (or the two are swapped).
 
     Example:
       >>> import jax, jax.numpy as jnp, shardplan as sp
@@ -100,8 +104,9 @@ def check_plan(plan: Plan, train_step: Callable[..., Any], state: Any, batch: An
       >>> cluster = sp.Cluster.local(devices=jax.devices()[:1])
       >>> w, x = jnp.zeros((4, 4)), jnp.ones((2, 4))
       >>> plan = sp.make_plan(step, w, x, cluster=cluster)
-      >>> sp.check_plan(plan, step, w, x, cluster=cluster)  # the same: nothing raised
+      >>> sp.check_plan(step, plan, w, x, cluster=cluster)  # the same: nothing raised
     """
+    _check_step_and_plan("check_plan", train_step, plan)
     check_api_arguments("check_plan", cluster=cluster, cluster_required=False)
     samples: Any = plan.solver.get(FINGERPRINT_SAMPLES)
     fingerprint, graph = step_fingerprint(train_step, state, batch,
@@ -137,9 +142,38 @@ def apply_plan(train_step: Callable[..., Any], plan: Plan, /, *, verify: bool = 
       PlanMismatchError: at the first call, arguments of other shapes or dtypes than the plan
         was made for (naming the leaves).
       InfeasibleError: at the first call, a compiled program that does not fit its device.
+      ConfigError: ``plan`` is not a :class:`~shardplan.plan.Plan` (or the two are swapped).
     """
+    _check_step_and_plan("apply_plan", train_step, plan)
     # (a stage planner's plan keeps its shardings in its stages' layouts: the pipeline
     # runtime reads them, also for one stage and one microbatch)
     if len(plan.stages) > 1 or plan.microbatches > 1 or plan.layouts:
         return PipelinedStep(train_step, plan, verify=verify, measure_steps=measure_steps)
     return PlannedStep(train_step, plan, verify=verify, measure_steps=measure_steps)
+
+
+def _check_step_and_plan(caller: str, train_step: object, plan: object) -> None:
+    """Raises a ConfigError unless ``caller`` was given a callable step, then a Plan.
+
+    Example:
+        >>> try:
+        ...     _check_step_and_plan("apply_plan", print, "plan.json")
+        ... except ConfigError as err:
+        ...     print(str(err).splitlines()[0])
+        apply_plan(plan=) must be an sp.Plan.
+    """
+    if isinstance(train_step, Plan) and callable(plan):
+        raise ConfigError(format_error(
+            f"{caller}(train_step, plan, ...) takes the step first, then its plan.",
+            where=f"{caller}(train_step, plan)", value=f"a Plan, then {type(plan).__name__}",
+            remedy=f"call {caller}(train_step, plan, ...)"))
+    if not isinstance(plan, Plan):
+        raise ConfigError(format_error(
+            f"{caller}(plan=) must be an sp.Plan.", where=f"{caller}(train_step, plan)",
+            value=type(plan).__name__,
+            remedy="pass the Plan sp.make_plan returned, or sp.load_plan(path) of a plan file"))
+    if not callable(train_step):
+        raise ConfigError(format_error(
+            f"{caller}(train_step=) must be a function (state, batch) -> (state, metrics).",
+            where=f"{caller}(train_step, plan)", value=type(train_step).__name__,
+            remedy="pass the train step the plan was made for"))

@@ -94,7 +94,7 @@ def _plan(
 ) -> Plan:
     if config.plan.file:
         plan = load_plan(config.plan.file)
-        check_plan(plan, step, state, batch, cluster=cluster)
+        check_plan(step, plan, state, batch, cluster=cluster)
         return plan
     return make_plan(step, state, batch, cluster=cluster, config=config.plan.config)
 

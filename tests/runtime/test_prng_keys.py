@@ -184,7 +184,7 @@ def test_make_plan_stamps_replicates_and_round_trips_typed_keys(tmp_path) -> Non
     plan.save(tmp_path / "plan.json")
     loaded = sp.load_plan(tmp_path / "plan.json")
     assert loaded == plan and _key_paths(loaded.state_types) == keys
-    sp.check_plan(loaded, step, state, batch_of(0), cluster=cluster)
+    sp.check_plan(step, loaded, state, batch_of(0), cluster=cluster)
     # The viewer reads the types back (8 bytes a key on every device) and draws the plan.
     assert {(t.path, t.dtype, t.bytes_per_device) for t in tensors(loaded)
             if t.path in keys} == {(path, "key<fry>", 8) for path in keys}

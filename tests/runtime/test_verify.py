@@ -78,16 +78,16 @@ def test_a_plan_for_another_batch_size_names_the_batch(planned) -> None:
 
 def test_check_plan_names_the_layers_no_stage_runs_and_another_cluster(planned, cluster) -> None:
     step, plan = planned
-    sp.check_plan(plan, step, *_abstract((_state(), jnp.ones((BATCH, WIDTH)))), cluster=cluster)
+    sp.check_plan(step, plan, *_abstract((_state(), jnp.ones((BATCH, WIDTH)))), cluster=cluster)
     deeper, state, x = mlp_step(WIDTH, BATCH, layers=3)
     with pytest.raises(sp.PlanMismatchError, match=r"(?s)state/0/2/bias.*layers: the step's "
                                                    r".* run in no stage of the plan"):
-        sp.check_plan(plan, deeper, state, x)
+        sp.check_plan(deeper, plan, state, x)
     other = sp.Cluster.local(types={"a100-80g": 2, "v100-32g": 2}, devices=jax.devices()[:4])
     with pytest.raises(sp.PlanMismatchError,
                        match=r"(?s)devices a100-80g: the plan's cluster has none, this one 2 "
                              r"of 80 GB.*devices cpu: the plan's cluster has 4 of"):
-        sp.check_plan(plan, step, state, jax.ShapeDtypeStruct((BATCH, WIDTH), jnp.float32),
+        sp.check_plan(step, plan, state, jax.ShapeDtypeStruct((BATCH, WIDTH), jnp.float32),
                       cluster=other)
 
 

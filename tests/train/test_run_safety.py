@@ -201,9 +201,9 @@ def test_a_multi_stage_plan_passes_its_own_check_also_after_a_round_trip(
         mixed_plan, tmp_path) -> None:
     plan, step, state, x, cluster = mixed_plan
     assert len(plan.stages) > 1 or plan.microbatches > 1
-    sp.check_plan(plan, step, state, x, cluster=cluster)
+    sp.check_plan(step, plan, state, x, cluster=cluster)
     plan.save(tmp_path / "plan.json")
-    sp.check_plan(sp.load_plan(tmp_path / "plan.json"), step, state, x, cluster=cluster)
+    sp.check_plan(step, sp.load_plan(tmp_path / "plan.json"), state, x, cluster=cluster)
 
 
 def test_a_plan_of_another_program_or_naming_another_layer_is_refused(mixed_plan) -> None:
@@ -214,14 +214,14 @@ def test_a_plan_of_another_program_or_naming_another_layer_is_refused(mixed_plan
         return (jax.tree.map(lambda w: w * 0.999, params), opt_state), loss
 
     with pytest.raises(sp.PlanMismatchError, match="program differs from the one planned"):
-        sp.check_plan(plan, other, state, x, cluster=cluster)
+        sp.check_plan(other, plan, state, x, cluster=cluster)
     data = json.loads(plan.to_json())
     stage = next(s for s in data["stages"] if any(name != "shared" for name in s["layers"]))
     renamed = next(name for name in stage["layers"] if name != "shared")
     stage["layers"] = [name + "x" if name == renamed else name for name in stage["layers"]]
     edited = sp.Plan.from_json(json.dumps(data))
     with pytest.raises(sp.PlanMismatchError) as err:
-        sp.check_plan(edited, step, state, x, cluster=cluster)
+        sp.check_plan(step, edited, state, x, cluster=cluster)
     message = str(err.value)
     assert f"'{renamed}x' is not a layer of the step (did you mean '{renamed}'" in message
     assert f"the step's '{renamed}' run in no stage of the plan" in message
@@ -234,7 +234,14 @@ def test_plan_checks_name_arguments_of_the_wrong_type(mixed_plan) -> None:
     with pytest.raises(sp.ConfigError, match=r"(?s)make_plan\(config=\).*'dict'"):
         sp.make_plan(step, state, x, cluster=sp.Cluster.local(), config={"time_limit_s": 5})
     with pytest.raises(sp.ConfigError, match=r"check_plan\(cluster=\)"):
-        sp.check_plan(plan, step, state, x, cluster="local")
+        sp.check_plan(step, plan, state, x, cluster="local")
+    # the step first, then its plan, in both entry points
+    for call in (lambda: sp.check_plan(plan, step, state, x), lambda: sp.apply_plan(plan, step)):
+        with pytest.raises(sp.ConfigError, match=r"\(train_step, plan, \.\.\.\) takes the step "
+                                                 r"first, then its plan"):
+            call()
+    with pytest.raises(sp.ConfigError, match=r"(?s)apply_plan\(plan=\) must be an sp.Plan.*'str'"):
+        sp.apply_plan(step, "plan.json")
 
 
 @pytest.mark.slow
