@@ -286,11 +286,14 @@ def reduction_kinds(train_step: Callable[..., Any], state: Any, first: Any, seco
             where="cut values " + ", ".join(str(a) for a in split.cut_avals),
             remedy="return gradients and metrics whose shapes do not depend on the batch size"))
     leaves = jax.tree.leaves(state)
-    run = jcore.jaxpr_as_fun(split.gradient)
+    # compiled, not run op by op: one program per batch size instead of a dispatch (and a
+    # compilation) per equation
+    run = jax.jit(jcore.jaxpr_as_fun(split.gradient))
     f1 = [np.asarray(x, np.float64) for x in run(*leaves, *jax.tree.leaves(first))]
     f2 = [np.asarray(x, np.float64) for x in run(*leaves, *jax.tree.leaves(second))]
     f12 = [np.asarray(x, np.float64)
-           for x in jcore.jaxpr_as_fun(both.gradient)(*leaves, *jax.tree.leaves(pair))]
+           for x in jax.jit(jcore.jaxpr_as_fun(both.gradient))(*leaves,
+                                                                *jax.tree.leaves(pair))]
     groups = [[i for i, b in enumerate(split.cut_backward) if b]]
     groups += [[i] for i, b in enumerate(split.cut_backward) if not b]
     kinds: list[Reduction] = ["mean"] * len(f1)

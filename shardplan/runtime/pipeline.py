@@ -413,7 +413,8 @@ class PipelinedStep:
         timed steps, measured step and per-stage times (``measured``)."""
         self._verify = verify
         self._timer = StepTimer(measure_steps)
-        self._compiled: list[tuple[int, str, Any]] | None = None  # collected in the 1st call
+        # XLA's figures per program (compiled_figures' entries), collected in the 1st call
+        self._compiled: list[dict[str, Any]] | None = None
         self._seen: set[int] = set()
         self._stage_busy: dict[int, float] | None = None  # per stage, in a clocked call
         # (a one-stage plan has no replica list: one replica of its stage)
@@ -670,9 +671,9 @@ class PipelinedStep:
         if self._compiled is not None:
             if id(prog) not in self._seen:
                 self._seen.add(id(prog))
-                entry = (prog.stage, name, prog.fn.lower(*args).compile())
-                check_fits(self.plan, compiled_figures([entry]))
-                self._compiled.append(entry)
+                figures = compiled_figures([(prog.stage, name, prog.fn.lower(*args).compile())])
+                check_fits(self.plan, figures)
+                self._compiled += figures["programs"]
             key = (prog.stage, name)
             self._beside[key] = max(self._beside.get(key, 0), self._held_beside(prog.stage, args))
         if self._stage_busy is None:
@@ -722,7 +723,7 @@ class PipelinedStep:
         # step's: drop them, or the device holds them until the next step.
         self._holdings = []
         if self._compiled is not None:
-            figures = compiled_figures(self._compiled)
+            figures = {**compiled_figures([]), "programs": list(self._compiled)}
             for program in figures["programs"]:
                 program["beside_bytes"] = self._beside.get(
                     (program["stage"], program["name"]), 0)
