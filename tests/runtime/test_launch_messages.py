@@ -18,6 +18,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from helpers.processes import child_env
 
 from shardplan.runtime.distributed import (
     EXIT_FILE,
@@ -114,8 +115,7 @@ def test_the_launcher_names_the_failure_first_and_logs_the_peers_transport_error
 @pytest.mark.slow
 def test_verbose_prints_the_peers_transport_error_after_the_launchers_message(
         tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT),
-                                                         os.environ.get("PYTHONPATH", "")])}
+    env = child_env()
     done = subprocess.run([sys.executable, "-m", "shardplan.cli.main", "launch", "--nprocs", "2",
                            "--verbose", "--", *_worker(tmp_path, "prompt")],
                           env=env, capture_output=True, text=True, timeout=120)

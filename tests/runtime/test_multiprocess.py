@@ -15,6 +15,7 @@ import jax
 import numpy as np
 import pytest
 import shardplan_models as models
+from helpers.processes import child_env
 
 from shardplan.errors import ConfigError
 from shardplan.runtime.distributed import launch
@@ -28,10 +29,7 @@ def _launch_command(*args: str) -> list[str]:
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # 4 devices per process
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2]),
-                                         env.get("PYTHONPATH", "")])
-    return env
+    return child_env(own_devices=True)  # 4 devices per process
 
 
 @pytest.mark.slow

@@ -4,7 +4,6 @@ with SIGKILL leaving the previous step loadable."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 import shardplan_models as models
 from flax import nnx
+from helpers.processes import child_env
 from helpers.sigkill import kill_while_saving
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -297,12 +297,7 @@ _KILLED_SAVE = """
 @pytest.mark.slow
 def test_a_save_killed_by_sigkill_leaves_the_previous_step(tmp_path: Path, stall_at: str) -> None:
     directory, marker = tmp_path / "ckpt", tmp_path / "stalled"
-    env = dict(
-        os.environ,
-        JAX_PLATFORMS="cpu",
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
-        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    )
+    env = child_env(JAX_PLATFORMS="cpu")
     kill_while_saving(_KILLED_SAVE, [str(directory)], stall_at=stall_at, marker=marker,
                       env=env, timeout_s=120)
     assert (directory / "2.orbax-checkpoint-tmp").is_dir()  # the killed save's leftover
@@ -329,8 +324,7 @@ def test_two_processes_save_stage_leaves_and_reshard(tmp_path: Path) -> None:
     processes and onto the swapped stages; then saved from that mesh and restored onto the
     stages (``tests/data/checkpoint_worker.py`` checks each process's shards)."""
     worker = ROOT / "tests" / "data" / "checkpoint_worker.py"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # 4 devices per process
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env = child_env(own_devices=True)  # 4 devices per process
     done = subprocess.run(
         [
             sys.executable,

@@ -19,6 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers.processes import child_env
 from helpers.steps import mlp_step
 from shardplan_models.config import load_model_config
 
@@ -276,7 +277,7 @@ def _cli(run_dir: Path, steps: int, *extra: str) -> list[str]:
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "JAX_NUM_CPU_DEVICES": "8", "PYTHONPATH": str(ROOT)}
+    return child_env(JAX_NUM_CPU_DEVICES="8")
 
 
 def _start(run_dir: Path, steps: int) -> subprocess.Popen:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers.processes import child_env
 from helpers.sigkill import kill_while_saving
 
 import shardplan as sp
@@ -70,8 +70,7 @@ def test_a_run_killed_while_saving_resumes_exactly_as_if_never_stopped(uninterru
     # step 4's arrays. Step 2 stays the latest and loads; the run resumes from it and ends with
     # the uninterrupted run's losses and state, bit for bit.
     run_dir, marker = tmp_path / "run", tmp_path / "stalled"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = child_env(JAX_PLATFORMS="cpu")
     kill_while_saving(_KILLED, [TINY, *BASE, f"--output.dir={run_dir}"],
                       stall_at="4.orbax-checkpoint-tmp/state.orbax-checkpoint-tmp",
                       marker=marker, env=env)
@@ -183,8 +182,7 @@ def test_two_processes_run_the_demo_config_as_the_unsharded_step(tmp_path) -> No
     demo = str(ROOT / "configs" / "train" / "demo.yaml")
     overrides = ["--train.steps=5", f"--output.dir={tmp_path / 'run'}",
                  "--train.sample_tokens=4", "--data.val_batches=2"]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # 4 devices per process
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env = child_env(own_devices=True)  # 4 devices per process
     cli = [sys.executable, "-m", "shardplan.cli.main"]
     done = subprocess.run([*cli, "launch", "--nprocs", "2", "--", *cli, "train", demo,
                            *overrides], env=env, timeout=600, capture_output=True, text=True)
