@@ -4,6 +4,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
+# The suite runs on one worker process per core (at most 4; each makes its own 8 CPU devices),
+# a test file per worker at a time, so a file's module fixtures are built once.
+TEST_WORKERS ?= -n auto --maxprocesses=4 --dist loadfile
+
 .PHONY: demo test lint typecheck bench clean
 
 $(VENV)/.installed: pyproject.toml
@@ -20,7 +24,7 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check shardplan models tests benchmarks
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q --durations=25 $(TEST_WORKERS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check shardplan models tests benchmarks
