@@ -177,6 +177,23 @@ def test_megatron_grid_treats_mixed_devices_alike() -> None:
     assert evaluate_pipeline(problem, single).step_time_s == 5.0
 
 
+def test_megatron_grid_keeps_only_plans_that_cut_a_scanned_stack_as_the_runtime_can() -> None:
+    # The problem above with its two layers one scanned stack: the 5 s grid point splits the
+    # stack over a fast and a slow stage, which the runtime cannot hold (a stack's runs must be
+    # equal, on stages of one group and sub-mesh size). The best point left: replicas
+    # outermost, (fast, fast) and (slow, slow), 6 s.
+    kind = LayerKind("block", {0: (_option(1, 1.0, state=10.0, activation=1.0),),
+                               1: (_option(1, 2.0, state=10.0, activation=1.0),)}, 0.0, 0.0)
+    problem = PipelineProblem((kind,), (0, 0), (_group("fast", 2, memory=15.0),
+                                                _group("slow", 2, memory=15.0)), FREE,
+                              batch=4, microbatch_sizes=(1,), schedules=("1f1b",),
+                              remats=("none",), stacks=((0, 2),))
+    plan = megatron_grid(problem)
+    assert plan is not None and check_pipeline(problem, plan) == []
+    assert sorted([s.group for s in r.stages] for r in plan.replicas) == [[0, 0], [1, 1]]
+    assert evaluate_pipeline(problem, plan).step_time_s == 6.0
+
+
 def test_homogeneous_only_maps_the_plan_back_to_its_group() -> None:
     # The problem above on the slow pair alone: one replica of two 2 s stages, 4 + 3 * 2 =
     # 10 s; its stages name group 1 of the full problem.

@@ -91,6 +91,7 @@ from shardplan.solver.stages.pipeline import (
     Replica,
     Schedule,
     StagePlacement,
+    check_pipeline,
     in_flight,
     looped_work,
     stage_held,
@@ -288,9 +289,11 @@ def _bound(problem: PipelineProblem, time_s: float, devices_per_group: Sequence[
     return time_s * _price(problem, devices_per_group) / 3600.0
 
 
-def _pick(candidates: Iterator[_Candidate]) -> PipelinePlan | None:
-    """The candidate with the least objective, visiting them in order of their lower bounds
-    (ties: generation order) until the bound reaches the best."""
+def _pick(problem: PipelineProblem, candidates: Iterator[_Candidate]) -> PipelinePlan | None:
+    """The candidate with the least objective among those :func:`check_pipeline` accepts,
+    visiting them in order of their lower bounds (ties: generation order) until the bound
+    reaches the best. (A family's grid point may break a structural constraint of the problem:
+    a scanned stack cut into unequal runs, or over stages of different groups.)"""
     ordered = sorted(enumerate(candidates), key=lambda ic: (ic[1].bound, ic[0]))
     best_value, best = math.inf, None
     for _, candidate in ordered:
@@ -298,8 +301,10 @@ def _pick(candidates: Iterator[_Candidate]) -> PipelinePlan | None:
             break
         value = candidate.value()
         if value < best_value:
-            best_value, best = value, candidate
-    return None if best is None else best.build()
+            plan = candidate.build()
+            if not check_pipeline(problem, plan):
+                best_value, best = value, plan
+    return best
 
 
 def _fits(held: float, memory_bytes: float) -> bool:
@@ -322,7 +327,7 @@ def data_parallel_only(problem: PipelineProblem, /, *,
     Returns:
       The best plan of the family, or ``None`` when no group holds a replica.
     """
-    return _pick(_dp_candidates(problem, groups))
+    return _pick(problem, _dp_candidates(problem, groups))
 
 
 _Fastest = Callable[[int, int, int, float], tuple[Remat, float] | None]
@@ -489,7 +494,7 @@ def megatron_grid(problem: PipelineProblem, /, *,
     Returns:
       The best plan of the family, or ``None`` when no grid point is feasible.
     """
-    return _pick(_megatron_grid_candidates(problem, groups))
+    return _pick(problem, _megatron_grid_candidates(problem, groups))
 
 
 def _megatron_grid_candidates(problem: PipelineProblem,
