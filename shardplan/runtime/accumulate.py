@@ -263,8 +263,8 @@ def _norm(xs: Sequence[np.ndarray]) -> float:
 
 
 def reduction_kinds(train_step: Callable[..., Any], state: Any, first: Any, second: Any,
-                    split: StepSplit, /, *, accumulation: str = "exact"
-                    ) -> tuple[Reduction, ...]:
+                    split: StepSplit, /, *, accumulation: str = "exact",
+                    gradient: Callable[..., Any] | None = None) -> tuple[Reduction, ...]:
     """Whether each cut value accumulates as a mean or a sum over microbatches, measured on two
     microbatches (concrete arrays of ``split``'s shapes; the module docstring).
 
@@ -272,6 +272,9 @@ def reduction_kinds(train_step: Callable[..., Any], state: Any, first: Any, seco
     own random numbers and computes its own batch statistics, so the pair's value is not the
     microbatches' mean or sum) each value takes the nearer of the two, and is refused only
     where it is nearer neither (off both by more than their distance).
+
+    ``gradient`` is ``split.gradient`` compiled, where the caller has it (default: compiled
+    here).
 
     Raises:
       PipelineError: a cut value is neither a mean nor a sum over the batch.
@@ -288,7 +291,7 @@ def reduction_kinds(train_step: Callable[..., Any], state: Any, first: Any, seco
     leaves = jax.tree.leaves(state)
     # compiled, not run op by op: one program per batch size instead of a dispatch (and a
     # compilation) per equation
-    run = jax.jit(jcore.jaxpr_as_fun(split.gradient))
+    run = gradient or jax.jit(jcore.jaxpr_as_fun(split.gradient))
     f1 = [np.asarray(x, np.float64) for x in run(*leaves, *jax.tree.leaves(first))]
     f2 = [np.asarray(x, np.float64) for x in run(*leaves, *jax.tree.leaves(second))]
     f12 = [np.asarray(x, np.float64)
@@ -543,12 +546,12 @@ def microbatched(train_step: Callable[..., Any], /, *, microbatches: int,
         if key not in compiled:
             step = form.step if form is not None else train_step
             split = split_step(step, state, parts[0])
+            grad = jax.jit(jcore.jaxpr_as_fun(split.gradient))
             kinds: tuple[Reduction, ...] = (
                 reduction_kinds(step, state, parts[0], parts[1], split,
-                                accumulation=accumulation)
+                                accumulation=accumulation, gradient=grad)
                 if microbatches > 1 else tuple("mean" for _ in split.cut_avals))
-            compiled[key] = (form, split, kinds, jax.jit(jcore.jaxpr_as_fun(split.gradient)),
-                             jax.jit(jcore.jaxpr_as_fun(split.update)))
+            compiled[key] = (form, split, kinds, grad, jax.jit(jcore.jaxpr_as_fun(split.update)))
         _, split, kinds, gradient, update = compiled[key]
         leaves = jax.tree.leaves(state)
         total: list[Any] | None = None

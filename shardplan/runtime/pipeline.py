@@ -413,8 +413,8 @@ class PipelinedStep:
         timed steps, measured step and per-stage times (``measured``)."""
         self._verify = verify
         self._timer = StepTimer(measure_steps)
-        # XLA's figures per program (compiled_figures' entries), collected in the 1st call
-        self._compiled: list[dict[str, Any]] | None = None
+        # XLA's figures (compiled_figures'), each program's added as the 1st call compiles it
+        self._compiled: dict[str, Any] | None = None
         self._seen: set[int] = set()
         self._stage_busy: dict[int, float] | None = None  # per stage, in a clocked call
         # (a one-stage plan has no replica list: one replica of its stage)
@@ -673,7 +673,7 @@ class PipelinedStep:
                 self._seen.add(id(prog))
                 figures = compiled_figures([(prog.stage, name, prog.fn.lower(*args).compile())])
                 check_fits(self.plan, figures)
-                self._compiled += figures["programs"]
+                self._compiled["programs"] += figures["programs"]
             key = (prog.stage, name)
             self._beside[key] = max(self._beside.get(key, 0), self._held_beside(prog.stage, args))
         if self._stage_busy is None:
@@ -707,7 +707,7 @@ class PipelinedStep:
         if first:
             check_arguments(self.plan, state, batch)
             if self._verify:
-                self._compiled = []
+                self._compiled = compiled_figures([])
         timer = self._timer
         # The last timed step also clocks every program (waiting for each): per-stage busy
         # times; it is left out of the step times.
@@ -723,7 +723,7 @@ class PipelinedStep:
         # step's: drop them, or the device holds them until the next step.
         self._holdings = []
         if self._compiled is not None:
-            figures = {**compiled_figures([]), "programs": list(self._compiled)}
+            figures = self._compiled
             for program in figures["programs"]:
                 program["beside_bytes"] = self._beside.get(
                     (program["stage"], program["name"]), 0)

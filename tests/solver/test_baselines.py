@@ -153,18 +153,23 @@ def test_megatron_grid_picks_tensor_size_stages_and_rank_order() -> None:
     assert math.isclose(evaluate_pipeline(problem, plan).step_time_s, 14.4, rel_tol=1e-12)
 
 
-def test_megatron_grid_treats_mixed_devices_alike() -> None:
-    # Two layers; 2 fast devices (1 s per layer per microbatch) then 2 slow ones (2 s); a
-    # device holds one layer (state 10 of 15), so k = 2 and 2 replicas of 2 microbatches.
-    # Slots in cluster order [fast, fast, slow, slow]. Pipeline outermost: both replicas run
-    # stage 0 fast, stage 1 slow: 3 + 1 * 2 = 5 s. Replicas outermost: (fast, fast) 2 + 1 =
-    # 3 s and (slow, slow) 4 + 2 = 6 s: the step waits for 6 s. The grid keeps 5 s.
+def _fast_and_slow(stacks: tuple[tuple[int, int], ...] = ()) -> PipelineProblem:
+    """Two layers; 2 fast devices (1 s per layer per microbatch) then 2 slow ones (2 s); a
+    device holds one layer (state 10 of 15); 4 microbatches of 1 sample, 1F1B."""
     kind = LayerKind("block", {0: (_option(1, 1.0, state=10.0, activation=1.0),),
                                1: (_option(1, 2.0, state=10.0, activation=1.0),)}, 0.0, 0.0)
-    problem = PipelineProblem((kind,), (0, 0), (_group("fast", 2, memory=15.0),
-                                                _group("slow", 2, memory=15.0)), FREE,
-                              batch=4, microbatch_sizes=(1,), schedules=("1f1b",),
-                              remats=("none",))
+    return PipelineProblem((kind,), (0, 0), (_group("fast", 2, memory=15.0),
+                                             _group("slow", 2, memory=15.0)), FREE,
+                           batch=4, microbatch_sizes=(1,), schedules=("1f1b",),
+                           remats=("none",), stacks=stacks)
+
+
+def test_megatron_grid_treats_mixed_devices_alike() -> None:
+    # k = 2 and 2 replicas of 2 microbatches. Slots in cluster order [fast, fast, slow, slow].
+    # Pipeline outermost: both replicas run stage 0 fast, stage 1 slow: 3 + 1 * 2 = 5 s.
+    # Replicas outermost: (fast, fast) 2 + 1 = 3 s and (slow, slow) 4 + 2 = 6 s: the step
+    # waits for 6 s. The grid keeps 5 s.
+    problem = _fast_and_slow()
     plan = megatron_grid(problem)
     assert plan is not None
     assert [[s.group for s in r.stages] for r in plan.replicas] == [[0, 1], [0, 1]]
@@ -182,12 +187,7 @@ def test_megatron_grid_keeps_only_plans_that_cut_a_scanned_stack_as_the_runtime_
     # stack over a fast and a slow stage, which the runtime cannot hold (a stack's runs must be
     # equal, on stages of one group and sub-mesh size). The best point left: replicas
     # outermost, (fast, fast) and (slow, slow), 6 s.
-    kind = LayerKind("block", {0: (_option(1, 1.0, state=10.0, activation=1.0),),
-                               1: (_option(1, 2.0, state=10.0, activation=1.0),)}, 0.0, 0.0)
-    problem = PipelineProblem((kind,), (0, 0), (_group("fast", 2, memory=15.0),
-                                                _group("slow", 2, memory=15.0)), FREE,
-                              batch=4, microbatch_sizes=(1,), schedules=("1f1b",),
-                              remats=("none",), stacks=((0, 2),))
+    problem = _fast_and_slow(stacks=((0, 2),))
     plan = megatron_grid(problem)
     assert plan is not None and check_pipeline(problem, plan) == []
     assert sorted([s.group for s in r.stages] for r in plan.replicas) == [[0, 0], [1, 1]]
