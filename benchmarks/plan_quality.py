@@ -137,8 +137,9 @@ ALPA_S = (64, 2393.0)
 # One case (child process)
 
 
-def _cache_key(model: str, cluster_name: str) -> str:
+def _cache_key(model: str, cluster_name: str, layers: str) -> str:
     h = hashlib.sha256()
+    h.update(layers.encode())
     for path in (ROOT / "configs" / "models" / f"{model}.yaml",
                  ROOT / "configs" / "clusters" / f"{cluster_name}.yaml",
                  *sorted((ROOT / "configs" / "devices").glob("*.yaml"))):
@@ -149,14 +150,14 @@ def _cache_key(model: str, cluster_name: str) -> str:
 
 
 def _tables(model: str, cluster, cluster_name: str, cache: Path,
-            refresh: bool) -> tuple[Any, float, bool]:
+            refresh: bool, layers: str) -> tuple[Any, float, bool]:
     """The layer cost tables of ``model`` on ``cluster`` (cached), the seconds building them
     took (when built now; else the cached figure) and whether they came from the cache.
 
     The cache key covers the model, cluster and device files and the reference batch, not the
     code: after a change to the cost model or the intra-op planner pass ``--refresh-tables``.
     """
-    path = cache / f"{model}@{cluster_name}-{_cache_key(model, cluster_name)}.pkl"
+    path = cache / f"{model}@{cluster_name}-{_cache_key(model, cluster_name, layers)}.pkl"
     if path.exists() and not refresh:
         with path.open("rb") as f:
             costs, seconds = pickle.load(f)
@@ -167,7 +168,7 @@ def _tables(model: str, cluster, cluster_name: str, cache: Path,
     from shardplan.planner.layer_costs import layer_costs
 
     t0 = time.perf_counter()
-    config = models.load_model_config(model, overrides={"scan_layers": True})
+    config = models.load_model_config(model, overrides={"scan_layers": layers == "scan"})
     graphdef, state = models.abstract_train_state(config)
     batch = models.example_batch(config, REFERENCE_BATCH, abstract=True)
     graph = sp.trace(models.make_train_step(graphdef), state, batch)
@@ -278,7 +279,7 @@ def _table_ideal_gain(problem, fastest: int) -> float:
 
 def run_case(cluster_name: str, model: str, batch: int, cache: Path, *,
              refresh: bool = False, methods: tuple[str, ...] = METHODS + DIAGNOSTICS,
-             time_limit_s: float | None = None) -> dict[str, Any]:
+             time_limit_s: float | None = None, layers: str = "loop") -> dict[str, Any]:
     """Everything about one (cluster, model): tables, problem, every method, scores."""
     import shardplan as sp
     from shardplan.errors import InfeasibleError
@@ -301,9 +302,9 @@ def run_case(cluster_name: str, model: str, batch: int, cache: Path, *,
         "groups": [g.name for g in cluster.groups],
         "devices": [len(g.device_ids) for g in cluster.groups],
         "effective_matmul_flops_per_s": flops, "fastest": cluster.groups[fastest].name,
-        "ideal_gain": ideal_gain(flops),
+        "ideal_gain": ideal_gain(flops), "layers": layers,
     }
-    costs, table_s, cached = _tables(model, cluster, cluster_name, cache, refresh)
+    costs, table_s, cached = _tables(model, cluster, cluster_name, cache, refresh, layers)
     out["tables_s"], out["tables_cached"] = table_s, cached
     print(f"  {cluster_name} {model} tables: {table_s:.1f} s{' (cached)' if cached else ''}",
           file=sys.stderr, flush=True)
@@ -608,14 +609,15 @@ def draw(cases: list[dict[str, Any]], path: Path) -> None:
 def _child_run(args: argparse.Namespace) -> int:
     cluster, model, batch = args.child
     case = run_case(cluster, model, int(batch), Path(args.cache), refresh=args.refresh_tables,
-                    methods=tuple(args.methods), time_limit_s=args.time_limit_s)
+                    methods=tuple(args.methods), time_limit_s=args.time_limit_s,
+                    layers=args.layers)
     print(json.dumps(case))
     return 0
 
 
 def _run_child(cluster: str, model: str, batch: int, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", cluster, model, str(batch), "--cache",
-           args.cache, "--methods", *args.methods]
+           args.cache, "--layers", args.layers, "--methods", *args.methods]
     if args.refresh_tables:
         cmd.append("--refresh-tables")
     if args.time_limit_s is not None:
@@ -667,6 +669,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--methods", nargs="*", default=list(METHODS + DIAGNOSTICS),
                         choices=METHODS + DIAGNOSTICS,
                         help="methods to run (default all; none: only build the tables)")
+    parser.add_argument("--layers", choices=("loop", "scan"), default="loop",
+                        help="trace the models' blocks as a Python loop (as HuggingFace Flax "
+                             "models and most user code write them) or as an nnx.scan stack")
     parser.add_argument("--no-chart", action="store_true")
     parser.add_argument("--out", default=str(OUT_JSON), help="results JSON")
     parser.add_argument("--from-json", metavar="PATH",
@@ -759,7 +764,7 @@ def main() -> int:
             cases.append(_run_child(cluster, model, batch, args))
     out: dict[str, Any] = {
         "benchmark": "plan_quality", "reference_batch": REFERENCE_BATCH, "headroom": HEADROOM,
-        "accept_share": ACCEPT_SHARE, "quick": args.quick,
+        "accept_share": ACCEPT_SHARE, "quick": args.quick, "layers": args.layers,
         "time_limit_s": args.time_limit_s if args.time_limit_s is not None else "default",
         "default_time_limit_s": default_limit,
         "code": code, "cases": cases, **_report(cases), "extra_runs": {},

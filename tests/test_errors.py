@@ -258,6 +258,12 @@ def test_solver_limits_warn_with_the_gap_and_return_the_incumbent() -> None:
     best = sp.make_plan(step, state, x, cluster=cluster)
     assert cut.solver["status"] == "feasible" and best.solver["status"] == "optimal"
     assert cut.predicted.step_time_s >= best.predicted.step_time_s
+    # Every stage-planner plan records its proven gap, and the summary shows it.
+    assert best.solver["gap"] == 0.0
+    assert best.solver["lower_bound"] == best.solver["objective_value"]
+    value, floor = cut.solver["objective_value"], cut.solver["lower_bound"]
+    assert 0 < floor <= value and cut.solver["gap"] == pytest.approx((value - floor) / value)
+    assert f"within {100 * cut.solver['gap']:.1f} % of a proven lower bound" in cut.summary()
     # The intra-op solver, given 1 ms: less than CP-SAT's presolve, so the greedy hint. (A
     # problem whose relaxation is fractional: a GPT-2-style block written as users write it,
     # with a fused q/k/v projection and 25 heads, at batch 1 on one 8-GPU node; the models'

@@ -239,6 +239,10 @@ def _solver(plan: Plan) -> list[str]:
     head = str(s.get("status", "status unknown"))
     if "solve_time_s" in s and isinstance(s["solve_time_s"], int | float):
         head += f" in {float(s['solve_time_s']):.3g} s"
+    if "lower_bound" in s and s.get("status") != "optimal":  # the stage planner's proven gap
+        gap = s.get("gap")
+        head += (f", within {100 * float(gap):.1f} % of a proven lower bound"
+                 if isinstance(gap, int | float) else ", no lower bound proven")
     # (runner-ups and per-leaf alternatives are Plan.explain()'s: one line says they are there)
     skip = ("status", "solve_time_s", "chosen", "candidates", "runner_ups", "alternatives",
             "timeline")

@@ -318,6 +318,21 @@ def make_pipeline_plan(train_step: Callable[..., Any], state: Any, batch: Any, /
                           use.notes(config.accumulation))
 
 
+def proven_gap(value: float, lower_bound: float) -> float | None:
+    """``(value - lower_bound) / value``: how far a plan's objective may lie above the best
+    plan's; ``None`` where the bound proves nothing (0, or none: "within 100 %" would misread
+    as a measured gap).
+
+    Example:
+        >>> proven_gap(10.0, 9.0), proven_gap(10.0, 0.0)
+        (0.1, None)
+    """
+    if not (math.isfinite(lower_bound) and lower_bound > 0 and value > 0):
+        return None
+    gap = max(0.0, value - lower_bound) / value
+    return gap if gap < 1.0 else None
+
+
 def _warn_gap(choice: PipelineChoice, problem: PipelineProblem) -> None:
     """Warns that the stage planner stopped at its budget, with the proven gap."""
     import warnings
@@ -326,10 +341,8 @@ def _warn_gap(choice: PipelineChoice, problem: PipelineProblem) -> None:
 
     ev, stats = choice.evaluation, choice.stats
     value = ev.cost_per_step if problem.objective == "cost" else ev.step_time_s
-    # A bound of 0 (or none) proves nothing: "within 100 %" would misread as a measured gap.
-    proven = math.isfinite(stats.lower_bound) and stats.lower_bound > 0 and value > 0
-    gap = max(0.0, value - stats.lower_bound) / value if proven else math.inf
-    bound = (f"within {100 * gap:.1f} % of a proven lower bound" if gap < 1.0
+    gap = proven_gap(value, stats.lower_bound)
+    bound = (f"within {100 * gap:.1f} % of a proven lower bound" if gap is not None
              else "no lower bound proven")
     by_work = 0 < problem.work_limit < stats.work
     limit = (f"work limit of {problem.work_limit:,} units" if by_work
@@ -506,8 +519,12 @@ def _solver_record(cluster: Cluster, costs: LayerCosts, problem: PipelineProblem
         # the batch size the fingerprinted graph was traced at (check_plan traces there too)
         FINGERPRINT_SAMPLES: costs.reference_batch,
     }
-    if not stats.optimal and math.isfinite(stats.lower_bound):
-        solver["lower_bound"] = stats.lower_bound
+    # the proven gap of every plan to the search's lower bound (0 when optimal; None: no
+    # bound above 0 proven)
+    solver["lower_bound"] = stats.lower_bound if math.isfinite(stats.lower_bound) else None
+    solver["gap"] = proven_gap(float(solver["objective_value"]),  # type: ignore[arg-type]
+                               stats.lower_bound)
+    if not stats.optimal:
         if 0 < problem.work_limit < stats.work:
             solver["work_limit_reached"] = problem.work_limit
         else:

@@ -39,7 +39,10 @@ of other groups do not count):
   memory holds), so ``sum_g N_g max_o L_o(B) / d_o >= n`` bounds ``B`` from below, and
   ``T >= sum_l min a_l + (M - 1) B``;
 * ``R`` is at most ``sum_g N_g memory_g / S_state`` (the least total state bytes of one replica)
-  and ``M``.
+  and ``M``;
+* whatever ``R``, every replica runs at least one microbatch through every layer, so ``tau
+  >= T_r >= A_r >= sum_l min_o a_lo`` (the fill): with ``R`` near ``M`` the fluid term
+  ``M - R <= F(tau)`` alone says little.
 
 Under the cost objective, ``step * price >= sum_r (m_r - 1) sum_g price_g W_rg >= (M - R)
 sum_l min_o price_g w_lo`` by the same inequality.
@@ -140,6 +143,9 @@ class Fluid:
         by_kind = _kind_options(problem, mb, schedule, v)
         # per distinct kind, its options and how many layers have it
         self.kind_layers = [(by_kind[k], problem.layers.count(k)) for k in sorted(by_kind)]
+        # A layer without an option that holds one microbatch fits no stage: no plan of
+        # this configuration exists (its floor is infinite).
+        self.empty = any(not opts for opts, _ in self.kind_layers)
         self.usable = bool(self.kind_layers) and all(
             opts and all(t > 0 for _, t, _, _, _ in opts) for opts, _ in self.kind_layers)
         self.kinds = [problem.kinds[k] for k in problem.layers]
@@ -287,7 +293,10 @@ class Fluid:
         return (fill / self.v + (total - 1) * lo) * (1 - SAFETY)
 
     def bound(self) -> float:
-        """The least objective of any plan of this configuration."""
+        """The least objective of any plan of this configuration (infinite when some layer
+        fits no stage at this microbatch size)."""
+        if self.empty:
+            return math.inf
         if not self.usable:
             return 0.0
         n_groups = len(self.problem.groups)
@@ -328,7 +337,9 @@ class Fluid:
                     + 2 * (r - 1) * link.latency_s) * (1 - SAFETY)
             if sync >= best:
                 break  # the synchronisation floor only grows with r
-            best = min(best, self.least_tau(self.total - r, counts) + sync + update)
+            # every replica runs some microbatch through every layer: T_r >= A_r >= fill
+            tau = max(self.least_tau(self.total - r, counts), self.prefix_fill[-1])
+            best = min(best, tau + sync + update)
         return best
 
     def sync_floor(self, replicas: int) -> float:

@@ -153,6 +153,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
@@ -189,6 +190,11 @@ __all__ = [
     "infeasibility_report",
     "solve_pipeline",
 ]
+
+
+TYPED_SHARE = 0.5
+"""Of the budget left after the quick plans, the most the one-group-per-replica phase takes
+(:meth:`_Search.typed_phase`); the full phase has the rest."""
 
 
 @dataclass(frozen=True)
@@ -453,6 +459,7 @@ def solve_pipeline(problem: PipelineProblem, /, *,
     search.offer_seeds(seeds)
     quick = search.quick_phase()
     quick_s = time.perf_counter() - start
+    search.typed_phase(quick)
     labels, n_shapes, n_states, open_floors = search.full_phase(quick)
     optimal = not open_floors
     if search.best is None:
@@ -526,6 +533,53 @@ class _Search:
                         mix.value, _plan(mix, mb, schedule, v), -1)
         return quick
 
+    def typed_phase(self, quick: Sequence[float]) -> None:
+        """Phase 1b: per configuration, the best plan whose replicas each use one group (the
+        exact search on each group alone, its shapes mixed over all groups: uneven data
+        parallelism across types), within ``TYPED_SHARE`` of the budget left.
+
+        Each group's replica shapes are few next to those that mix groups in one replica,
+        so this finds in a fraction of the time the plans the full phase would reach last:
+        the best on each type alone and any mix of such replicas."""
+        problem, configs, floors = self.problem, self.configs, self.floors
+        used = [g for g in range(len(problem.groups))
+                if any(g in k.options for k in problem.kinds)]
+        if len(used) < 2:
+            return  # the full phase's shapes are these
+        budget = self.budget
+        left_work = budget.work - budget.spent
+        sub = Budget(budget.spent + TYPED_SHARE * left_work if math.isfinite(left_work)
+                     else math.inf,
+                     time.perf_counter() + TYPED_SHARE * max(
+                         0.0, budget.deadline - time.perf_counter()))
+        sub.spent = budget.spent
+        alone = {g: _only_group(problem, g) for g in used}
+        types: dict[tuple[int, int], _Types] = {}
+        fluids: dict[tuple[int, int], Fluid] = {}
+        try:
+            for i in sorted(range(len(configs)), key=lambda i: (quick[i], floors[i], i)):
+                mb, schedule, v = configs[i]
+                if floors[i] >= self.best_value:
+                    continue
+                shapes = []
+                for g in used:
+                    # Rule F with the group's own capacity: its shapes that win on it alone
+                    # (fast), not those that only win beside the other groups' replicas.
+                    fluid = fluids.setdefault((g, i), Fluid(alone[g], mb, schedule, v))
+                    types.setdefault((g, mb), _Types(alone[g], mb))
+                    shapes += replica_shapes(alone[g], mb, schedule, v,
+                                             self.bound_for(mb, self.best_value, fluid), sub,
+                                             types[g, mb])[0]
+                bound = self.bound_for(mb, self.best_value, self.fluids[i])
+                mix = best_mix(problem, shapes, bound, sub) if shapes else None
+                if mix is not None and mix.value < self.best_value:
+                    self.best_value, self.best, self.seed_index = (
+                        mix.value, _plan(mix, mb, schedule, v), -1)
+        except SearchTimeout:
+            pass  # the full phase goes on with the budget left
+        finally:
+            budget.spend(sub.spent - budget.spent)
+
     def full_phase(self, quick: Sequence[float]) -> tuple[int, int, int, list[float]]:
         """Phase 2: every replica shape; the labels, shapes and states, and the open floors.
 
@@ -576,6 +630,15 @@ def _no_plan_error(problem: PipelineProblem, budget: Budget, optimal: bool
         remedy="raise PlanConfig.stage_work_limit (0: no limit) or "
                "PlanConfig.stage_time_limit_s, or narrow the search "
                "(PlanConfig.microbatch_sizes, .schedules, .remats, .chunks, .max_stages)"))
+
+
+def _only_group(problem: PipelineProblem, group: int) -> PipelineProblem:
+    """``problem`` with the options of ``group`` only (the group indices kept, so its shapes
+    are shapes of ``problem``)."""
+    kinds = tuple(dataclasses.replace(k, options={group: k.options[group]}
+                                      if group in k.options else {})
+                  for k in problem.kinds)
+    return dataclasses.replace(problem, kinds=kinds)
 
 
 def _plan(mix: Mix, mb: int, schedule: Schedule, v: int) -> PipelinePlan:
