@@ -44,7 +44,8 @@ from shardplan.solver.stages.search import (
     _configs,
     solve_pipeline,
 )
-from shardplan.solver.stages.shapes import replica_shapes, shape_of, stack_edges
+from shardplan.solver.stages.pairs import two_type_shapes
+from shardplan.solver.stages.shapes import _Types, replica_shapes, shape_of, stack_edges
 
 FREE = Link(1.0, 0.0)  # a link whose transfers of 0 bytes cost nothing
 PLAN_LIMIT = 2000  # random problems with more plans are drawn again (keeps the brute force fast)
@@ -475,14 +476,14 @@ def test_time_limit_returns_the_best_plan_found_and_a_lower_bound() -> None:
 
 def test_a_search_cut_by_its_budget_keeps_the_best_plan_on_each_type_alone() -> None:
     # The phase that searches each group alone (its shapes mixed over the groups) reaches
-    # the best one-type plan in a fraction of the work the full search spends: cut at 3,000
-    # units, the search returns what homogeneous_only finds with no limit. Without that
-    # phase (TYPED_SHARE = 0) the same cut kept the quick plan, 27 % slower (11.07 s), and
-    # still did at 10,000 units.
+    # the best one-type plan in a fraction of the work the full search spends (14,434 units
+    # here): cut at 5,000 units, the search returns what homogeneous_only finds with no
+    # limit. Without that phase (TYPED_SHARE = 0) the same cut kept the quick plan, 27 %
+    # slower (11.07 s), and still did at 10,000 units.
     problem = _gpt_like()
     alone = homogeneous_only(problem, lambda p: solve_pipeline(p).plan, group=0)
     assert alone is not None
-    cut = solve_pipeline(dataclasses.replace(problem, work_limit=3000, time_limit_s=600.0))
+    cut = solve_pipeline(dataclasses.replace(problem, work_limit=5000, time_limit_s=600.0))
     assert not cut.stats.optimal
     assert cut.evaluation.step_time_s <= evaluate_pipeline(problem, alone).step_time_s
 
@@ -505,3 +506,26 @@ def test_a_microbatch_no_layer_option_holds_has_no_floor_below_infinity() -> Non
                               remats=("none",))
     assert config_bound(problem, 2, "1f1b", 1) == math.inf
     assert config_bound(problem, 1, "1f1b", 1) < math.inf
+
+
+def test_two_type_replicas_give_the_slower_type_fewer_layers() -> None:
+    # Six blocks, 1 s per sample on the fast device and 2 s on the slow one; neither holds
+    # the model alone (4 and 3 blocks of state). The one plan that uses both pipelines four
+    # blocks on the fast device and two on the slow one: equal stage times, 4 s each.
+    kind = LayerKind("block", {0: (_option(seconds=1.0, state=1.0),),
+                               1: (_option(seconds=2.0, state=1.0),)}, 0.0, 0.0)
+    groups = (_group("fast", 1, memory=4.5), _group("slow", 1, memory=3.5))
+    problem = PipelineProblem((kind,), (0,) * 6, groups, FREE, batch=4, microbatch_sizes=(1,),
+                              schedules=("1f1b",), remats=("none",))
+    shapes = two_type_shapes(problem, 1, "1f1b", 1, _Types(problem, 1))
+    layouts = {tuple((s.group, len(s.layers)) for s in shape.stages) for shape in shapes}
+    assert ((0, 4), (1, 2)) in layouts
+    best = solve_pipeline(problem)
+    (replica,) = best.plan.replicas
+    assert [(s.group, len(s.layers)) for s in replica.stages] == [(0, 4), (1, 2)]
+    # Cut at 40 work units (the exact search needs 72; the quick plans find nothing, as each
+    # type alone cannot hold the model), the two-type replicas still give it; without them
+    # the search ends with no plan.
+    cut = solve_pipeline(dataclasses.replace(problem, work_limit=40, time_limit_s=600.0))
+    assert not cut.stats.optimal
+    assert cut.evaluation.step_time_s == best.evaluation.step_time_s

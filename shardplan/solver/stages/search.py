@@ -163,6 +163,7 @@ from dataclasses import dataclass, field
 from shardplan.errors import ConfigError, InfeasibleError, SolverError, format_error
 from shardplan.solver.stages.bound import Fluid, PlanBound
 from shardplan.solver.stages.mix import Mix, best_mix
+from shardplan.solver.stages.pairs import two_type_shapes
 from shardplan.solver.stages.pipeline import (
     PipelineEvaluation,
     PipelinePlan,
@@ -176,7 +177,9 @@ from shardplan.solver.stages.quick import quick_mix
 from shardplan.solver.stages.shapes import (
     Budget,
     SearchTimeout,
+    Shape,
     _Types,
+    _undominated,
     replica_shapes,
     uniform_shapes,
 )
@@ -192,8 +195,11 @@ __all__ = [
 ]
 
 
-TYPED_SHARE = 0.5
-"""Of the budget left after the quick plans, the most the one-group-per-replica phase takes
+PAIRS_SHARE = 0.2
+"""Of the budget left after the quick plans, the most the two-group replicas of
+:meth:`_Search.typed_phase` take."""
+TYPED_SHARE = 0.4
+"""Of the budget left after them, the most the exact search on each group alone takes
 (:meth:`_Search.typed_phase`); the full phase has the rest."""
 
 
@@ -534,51 +540,78 @@ class _Search:
         return quick
 
     def typed_phase(self, quick: Sequence[float]) -> None:
-        """Phase 1b: per configuration, the best plan whose replicas each use one group (the
-        exact search on each group alone, its shapes mixed over all groups: uneven data
-        parallelism across types), within ``TYPED_SHARE`` of the budget left.
+        """Phase 1b: per configuration, within ``PAIRS_SHARE`` of the budget left, the
+        replicas over two groups of :func:`~shardplan.solver.stages.pairs.two_type_shapes`
+        (the slower type taking fewer layers) mixed with the uniform ones; then, within
+        ``TYPED_SHARE`` of what is left, with the replicas the exact search finds on each
+        group alone, mixed over all groups (uneven data parallelism across types).
 
-        Each group's replica shapes are few next to those that mix groups in one replica,
-        so this finds in a fraction of the time the plans the full phase would reach last:
-        the best on each type alone and any mix of such replicas."""
+        Each group's replica shapes are few next to all those that mix groups in one
+        replica, so this finds in a fraction of the time plans the full phase would reach
+        last: the best on each type alone, replicas that put a slower type to work beside a
+        faster one, and any mix of them."""
         problem, configs, floors = self.problem, self.configs, self.floors
         used = [g for g in range(len(problem.groups))
                 if any(g in k.options for k in problem.kinds)]
         if len(used) < 2:
             return  # the full phase's shapes are these
         budget = self.budget
-        left_work = budget.work - budget.spent
-        sub = Budget(budget.spent + TYPED_SHARE * left_work if math.isfinite(left_work)
-                     else math.inf,
-                     time.perf_counter() + TYPED_SHARE * max(
-                         0.0, budget.deadline - time.perf_counter()))
-        sub.spent = budget.spent
         alone = {g: _only_group(problem, g) for g in used}
         types: dict[tuple[int, int], _Types] = {}
-        fluids: dict[tuple[int, int], Fluid] = {}
+        order = sorted(range(len(configs)), key=lambda i: (quick[i], floors[i], i))
+        pairs: dict[int, list[Shape]] = {}
+        sub = _share(budget, PAIRS_SHARE)
         try:
-            for i in sorted(range(len(configs)), key=lambda i: (quick[i], floors[i], i)):
+            # First the cheap part for every configuration: the uniform replicas of each
+            # group and the two-group replicas (pairs.py), mixed.
+            for i in order:
                 mb, schedule, v = configs[i]
                 if floors[i] >= self.best_value:
                     continue
-                shapes = []
+                self.types.setdefault(mb, _Types(problem, mb))
+                bound = self.bound_for(mb, self.best_value, self.fluids[i])
+                pairs[i] = _undominated(
+                    [s for s in two_type_shapes(problem, mb, schedule, v, self.types[mb], sub)
+                     if not bound.hopeless(s.fill_s, s.bottleneck_s, s.cap, s.step, s.sigma,
+                                           s.update_s, s.usage)], bound.safe, sub)
+                if pairs[i]:
+                    self._offer(i, pairs[i] + uniform_shapes(problem, mb, schedule, v,
+                                                             bound.safe, sub), sub)
+        except SearchTimeout:
+            pass
+        finally:
+            budget.spend(sub.spent - budget.spent)
+        sub = _share(budget, TYPED_SHARE)
+        try:
+            # Then each group's exact shapes with them.
+            for i in order:
+                mb, schedule, v = configs[i]
+                if floors[i] >= self.best_value:
+                    continue
+                shapes = list(pairs.get(i, ()))
                 for g in used:
                     # Rule F with the group's own capacity: its shapes that win on it alone
                     # (fast), not those that only win beside the other groups' replicas.
-                    fluid = fluids.setdefault((g, i), Fluid(alone[g], mb, schedule, v))
+                    fluid = Fluid(alone[g], mb, schedule, v)
                     types.setdefault((g, mb), _Types(alone[g], mb))
                     shapes += replica_shapes(alone[g], mb, schedule, v,
                                              self.bound_for(mb, self.best_value, fluid), sub,
                                              types[g, mb])[0]
-                bound = self.bound_for(mb, self.best_value, self.fluids[i])
-                mix = best_mix(problem, shapes, bound, sub) if shapes else None
-                if mix is not None and mix.value < self.best_value:
-                    self.best_value, self.best, self.seed_index = (
-                        mix.value, _plan(mix, mb, schedule, v), -1)
+                self._offer(i, shapes, sub)
         except SearchTimeout:
             pass  # the full phase goes on with the budget left
         finally:
             budget.spend(sub.spent - budget.spent)
+
+    def _offer(self, i: int, shapes: list[Shape], budget: Budget) -> None:
+        """The best mix of ``shapes`` for configuration ``i`` becomes the best plan if it is
+        strictly better."""
+        mb, schedule, v = self.configs[i]
+        bound = self.bound_for(mb, self.best_value, self.fluids[i])
+        mix = best_mix(self.problem, shapes, bound, budget) if shapes else None
+        if mix is not None and mix.value < self.best_value:
+            self.best_value, self.best, self.seed_index = (
+                mix.value, _plan(mix, mb, schedule, v), -1)
 
     def full_phase(self, quick: Sequence[float]) -> tuple[int, int, int, list[float]]:
         """Phase 2: every replica shape; the labels, shapes and states, and the open floors.
@@ -630,6 +663,16 @@ def _no_plan_error(problem: PipelineProblem, budget: Budget, optimal: bool
         remedy="raise PlanConfig.stage_work_limit (0: no limit) or "
                "PlanConfig.stage_time_limit_s, or narrow the search "
                "(PlanConfig.microbatch_sizes, .schedules, .remats, .chunks, .max_stages)"))
+
+
+def _share(budget: Budget, share: float) -> Budget:
+    """A budget of ``share`` of what ``budget`` has left (work and time), counting on from
+    its work spent (what it spends is added back with ``budget.spend``)."""
+    left = budget.work - budget.spent
+    sub = Budget(budget.spent + share * left if math.isfinite(left) else math.inf,
+                 time.perf_counter() + share * max(0.0, budget.deadline - time.perf_counter()))
+    sub.spent = budget.spent
+    return sub
 
 
 def _only_group(problem: PipelineProblem, group: int) -> PipelineProblem:
