@@ -37,10 +37,12 @@ def test_never_worse_than_the_baselines_in_the_simulator_nor_the_closed_form() -
         except InfeasibleError:
             continue
         checked += 1
-        assert choice.candidates[0].name in ("search", "data-parallel", "megatron")
+        per_type = {f"megatron on {g.name}": megatron_grid(problem, groups=(i,))
+                    for i, g in enumerate(problem.groups)} if len(problem.groups) > 1 else {}
+        assert choice.candidates[0].name in ("search", "data-parallel", "megatron", *per_type)
         names = [c.name for c in choice.candidates]
         assert len(names) == len(set(names))
-        for base in (data_parallel_only(problem), megatron_grid(problem)):
+        for base in (data_parallel_only(problem), megatron_grid(problem), *per_type.values()):
             if base is None:
                 continue
             ev = evaluate_pipeline(problem, base)

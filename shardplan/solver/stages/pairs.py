@@ -4,12 +4,13 @@ A replica whose first ``k_a`` stages sit on sub-meshes of one group and its last
 another's carries the model at a pace both set: with per-layer seconds ``r_a`` and ``r_b`` (a
 stage type's mean over the model's layers), the stage times ``n_a r_a / k_a`` and ``n_b r_b /
 k_b`` are equal when ``n_a = n (k_a / r_a) / (k_a / r_a + k_b / r_b)``. :func:`two_type_shapes`
-builds, for every ordered pair of stage types on different groups and stage counts on a
-geometric grid, the replicas with ``n_a`` rounded down and up (each part's layers split as
-evenly as they go, the shorter stages first), each evaluated exactly by
-:func:`~shardplan.solver.stages.shapes.shape_of`. The remat is one for both parts, or the
-first part's with none on the second (the front of a 1F1B pipeline holds the most
-microbatches in flight).
+builds, for every ordered pair of (group, sub-mesh size) on different groups and stage counts
+on a geometric grid, the replicas with ``n_a`` rounded down and up (each part's layers split
+as evenly as they go, the shorter stages first), each evaluated exactly by
+:func:`~shardplan.solver.stages.shapes.shape_of`, with the fastest remat of each part that
+holds its layers (the pairs of remats tried fastest first, the first that fits kept; a split
+whose stages cannot hold their layers' state and one microbatch's activations is skipped
+before it is evaluated).
 
 These are the mixed replicas the exact search (:mod:`shardplan.solver.stages.search`) also
 builds, found in a fraction of its time: a search cut by its budget on a large cluster still
@@ -24,6 +25,8 @@ import itertools
 import math
 from typing import cast
 
+import numpy as np
+
 from shardplan.solver.stages.pipeline import (
     PipelineProblem,
     Remat,
@@ -37,17 +40,17 @@ __all__ = ["stage_counts", "two_type_shapes"]
 
 
 def stage_counts(most: int) -> list[int]:
-    """The stage counts tried per part: 1, 2, 3, then about a third more each time, up to
-    ``most`` (always included).
+    """The stage counts tried per part: 1, 2, 3, then about half as many again each time, up
+    to ``most`` (always included).
 
     Example:
         >>> stage_counts(20)
-        [1, 2, 3, 4, 5, 6, 8, 10, 13, 17, 20]
+        [1, 2, 3, 4, 6, 9, 13, 19, 20]
     """
     out, k = [], 1
     while k < most:
         out.append(k)
-        k = max(k + 1, math.floor(k * 4 / 3))
+        k = max(k + 1, math.floor(k * 3 / 2))
     return [*out, most] if most >= 1 else []
 
 
@@ -63,6 +66,26 @@ def _split(layers: range, k: int) -> list[tuple[int, ...]]:
     return out
 
 
+class _Held:
+    """Per stage type, prefix sums of its layers' state and activation bytes: whether a
+    stage holds its layers with one microbatch in flight, in O(1) (a necessary condition
+    :func:`~shardplan.solver.stages.shapes.shape_of` checks in full)."""
+
+    def __init__(self, types: _Types, mb: int) -> None:
+        self.mb, self.prefix = mb, {}
+        for ti, row in enumerate(types.per_layer):
+            if all(x is not None for x in row):
+                state = np.concatenate(([0.0], np.cumsum([x[1] for x in row if x])))
+                act = np.concatenate(([0.0], np.cumsum([x[2] for x in row if x])))
+                self.prefix[ti] = (state, act)
+        self.memory = [types.problem.groups[g].memory_bytes for g, _, _ in types.types]
+
+    def fits(self, ti: int, parts: list[tuple[int, ...]]) -> bool:
+        state, act = self.prefix[ti]
+        return all(state[p[-1] + 1] - state[p[0]] + self.mb * (act[p[-1] + 1] - act[p[0]])
+                   <= self.memory[ti] for p in parts)
+
+
 def two_type_shapes(problem: PipelineProblem, mb: int, schedule: Schedule, v: int,
                     types: _Types, budget: Budget = UNLIMITED) -> list[Shape]:
     """Replica shapes over two groups (the module docstring), until ``budget`` is spent (one
@@ -70,34 +93,60 @@ def two_type_shapes(problem: PipelineProblem, mb: int, schedule: Schedule, v: in
     if schedule == "interleaved" and v > 1:
         return []
     n = len(problem.layers)
-    rate: dict[int, float] = {}  # stage type -> mean seconds per layer
-    for ti in range(len(types.types)):
-        row = types.per_layer[ti]
-        if all(x is not None for x in row):
-            rate[ti] = sum(x[0] for x in row if x is not None) / n
+    held = _Held(types, mb)
+    # per (group, devices): its stage types with their mean seconds per layer, fastest remat
+    # first
+    kinds: dict[tuple[int, int], list[tuple[int, float]]] = {}
+    for ti in held.prefix:
+        g, d, _ = types.types[ti]
+        rate = sum(x[0] for x in types.per_layer[ti] if x is not None) / n
+        kinds.setdefault((g, d), []).append((ti, rate))
+    for opts in kinds.values():
+        opts.sort(key=lambda x: x[1])
     out: list[Shape] = []
-    for ta, tb in itertools.permutations(sorted(rate), 2):
-        (ga, da, ra), (gb, db, rb) = types.types[ta], types.types[tb]
-        if ga == gb or not (ra == rb or rb == "none"):
+    for (ga, da), (gb, db) in itertools.permutations(sorted(kinds), 2):
+        if ga == gb:
             continue
         most_a = min(n - 1, problem.groups[ga].count // da, problem.max_stages or n)
         most_b = min(n - 1, problem.groups[gb].count // db, problem.max_stages or n)
         for ka, kb in itertools.product(stage_counts(most_a), stage_counts(most_b)):
             if (problem.max_stages and ka + kb > problem.max_stages) or ka + kb > n:
                 continue
-            pace_a, pace_b = ka / rate[ta], kb / rate[tb]
-            ideal = n * pace_a / (pace_a + pace_b)
-            for na in sorted({math.floor(ideal), math.ceil(ideal)}):
-                na = min(max(na, ka), n - kb)
+            # the fastest remat of each part that holds it (the first fitting pair)
+            for (ta, rate_a), (tb, rate_b) in itertools.product(kinds[ga, da], kinds[gb, db]):
+                shape = _pair(problem, mb, schedule, v, types, held, (ta, ka, rate_a),
+                              (tb, kb, rate_b), out, budget)
+                if shape is None:
+                    continue
                 if budget.over():
                     return out
-                stages = ([StagePlacement(ga, da, part, cast(Remat, ra))
-                           for part in _split(range(na), ka)]
-                          + [StagePlacement(gb, db, part, cast(Remat, rb))
-                             for part in _split(range(na, n), kb)])
-                if problem.stacks and stack_violations(problem.stacks, stages):
-                    continue
-                shape = shape_of(problem, mb, schedule, v, stages, types)
-                if shape is not None:
-                    out.append(shape)
+                break
     return out
+
+
+def _pair(problem: PipelineProblem, mb: int, schedule: Schedule, v: int, types: _Types,
+          held: _Held, a: tuple[int, int, float], b: tuple[int, int, float],
+          out: list[Shape], budget: Budget) -> Shape | None:
+    """The replicas of ``k_a`` stages of type ``t_a`` then ``k_b`` of ``t_b`` with the layers
+    split as the module docstring says (appended to ``out``); the first found, or ``None``
+    when none holds its layers."""
+    (ta, ka, rate_a), (tb, kb, rate_b) = a, b
+    n = len(problem.layers)
+    pace_a, pace_b = ka / rate_a, kb / rate_b
+    ideal = n * pace_a / (pace_a + pace_b)
+    found = None
+    for na in sorted({min(max(x, ka), n - kb) for x in (math.floor(ideal), math.ceil(ideal))}):
+        front, back = _split(range(na), ka), _split(range(na, n), kb)
+        if not (held.fits(ta, front) and held.fits(tb, back)):
+            continue
+        (ga, da, ra), (gb, db, rb) = types.types[ta], types.types[tb]
+        stages = ([StagePlacement(ga, da, part, cast(Remat, ra)) for part in front]
+                  + [StagePlacement(gb, db, part, cast(Remat, rb)) for part in back])
+        if problem.stacks and stack_violations(problem.stacks, stages):
+            continue
+        budget.spend(1)
+        shape = shape_of(problem, mb, schedule, v, stages, types)
+        if shape is not None:
+            out.append(shape)
+            found = found or shape
+    return found

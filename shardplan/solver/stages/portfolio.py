@@ -5,8 +5,9 @@ baselines' plans, the final pick checked in the event simulator.
 
 1. builds the best data-parallel-only and Megatron-style plans
    (:func:`~shardplan.solver.stages.baselines.data_parallel_only`,
-   :func:`~shardplan.solver.stages.baselines.megatron_grid`; both exact for their family by the
-   closed form, cheap next to the search);
+   :func:`~shardplan.solver.stages.baselines.megatron_grid` on all devices and, on a mixed
+   cluster, on each device type alone; each exact for its family by the closed form, cheap
+   next to the search);
 2. runs :func:`~shardplan.solver.stages.search.solve_pipeline` with them as seeds: they bound the
    search from its first step, and its plan is never worse than theirs by the closed form,
    even when the search stops at its budget;
@@ -26,7 +27,9 @@ baselines' plans, the final pick checked in the event simulator.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shardplan.solver.stages.baselines import data_parallel_only, megatron_grid
@@ -159,7 +162,13 @@ def _search(problem: PipelineProblem, suffix: str, clock: dict[str, float]
     """The search's plan and the distinct seeds it did not beat, named, the search's first."""
     start = time.perf_counter()
     seeds: dict[str, PipelinePlan] = {}
-    for name, build in (("data-parallel", data_parallel_only), ("megatron", megatron_grid)):
+    builds: list[tuple[str, Callable[[PipelineProblem], PipelinePlan | None]]] = [
+        ("data-parallel", data_parallel_only), ("megatron", megatron_grid)]
+    if len(problem.groups) > 1:  # and Megatron on each type alone (its fastest type's grid)
+        builds += [(f"megatron on {group.name}",
+                    functools.partial(megatron_grid, groups=(g,)))
+                   for g, group in enumerate(problem.groups)]
+    for name, build in builds:
         plan = build(problem)
         # (a baseline cuts the layers evenly: where that splits a scanned stack unevenly it
         # is no plan of this problem)
