@@ -101,7 +101,7 @@ def _child(case: str) -> dict:
         "simulated_step_s": plan.solver["simulated_step_s"],
         "throughput_samples_per_s": plan.solver["throughput_samples_per_s"],
         "solver": {k: solver.get(k) for k in ("configs", "labels", "shapes", "states",
-                                               "lower_bound", "chosen", "candidates")},
+                                               "lower_bound", "gap", "chosen", "candidates")},
     }
 
 

@@ -245,7 +245,7 @@ def _solver(plan: Plan) -> list[str]:
                  if isinstance(gap, int | float) else ", no lower bound proven")
     # (runner-ups and per-leaf alternatives are Plan.explain()'s: one line says they are there)
     skip = ("status", "solve_time_s", "chosen", "candidates", "runner_ups", "alternatives",
-            "timeline")
+            "timeline", "unused_types")
     rest = [f"{k}={format_value(v)}" for k, v in s.items() if k not in skip]
     lines = ["Solver"]
     lines += pack_items(rest, f"  {head}: ", "    ") if rest else [f"  {head}"]
@@ -260,7 +260,10 @@ def _solver(plan: Plan) -> list[str]:
                 for name, c in candidates.items() if isinstance(c, Mapping)]
         lines += pack_items(rows, "  candidates, predicted / simulated step: ", "    ", sep="; ")
     if "runner_ups" in s or "alternatives" in s:
-        lines.append("  runner-ups and alternative shardings: plan.explain()")
+        unused = s.get("unused_types")
+        more = (f"; why device types stay unused ({', '.join(unused)})"
+                if isinstance(unused, Mapping) and unused else "")
+        lines.append(f"  runner-ups and alternative shardings{more}: plan.explain()")
     if plan.timings:
         spent = [f"{k} {v:.3g} s" for k, v in plan.timings.items()]
         lines += pack_items(spent, "  planning took: ", "    ", sep="; ")

@@ -39,13 +39,26 @@ from shardplan.planner.mesh import MeshChoice
 from shardplan.planner.nodes import IntraOpProblem
 from shardplan.solver import Solution
 from shardplan.solver.intraop.problem import Problem
-from shardplan.solver.stages.pipeline import PipelinePlan
+from shardplan.solver.stages.pipeline import PipelinePlan, PipelineProblem
 from shardplan.solver.stages.portfolio import PipelineChoice
+from shardplan.solver.stages.search import infeasibility_report
 from shardplan.trace.graph import OpGraph
 
-__all__ = ["BASIS", "LAYOUT_BASIS", "MAX_REPAIRS", "RUNNER_UPS", "LocalCosts", "alternative",
-           "alternatives_record", "change", "leaf_alternatives", "node_groups",
-           "pipeline_runner_ups", "runner_ups"]
+__all__ = [
+    "BASIS",
+    "LAYOUT_BASIS",
+    "MAX_REPAIRS",
+    "RUNNER_UPS",
+    "LocalCosts",
+    "alternative",
+    "alternatives_record",
+    "change",
+    "leaf_alternatives",
+    "node_groups",
+    "pipeline_runner_ups",
+    "runner_ups",
+    "unused_types",
+]
 
 RUNNER_UPS = 3
 """Most runner-up meshes a plan records."""
@@ -372,3 +385,45 @@ def _pipeline_config(plan: PipelinePlan, device_types: Sequence[str]) -> str:
     chunks = f" v={plan.chunks}" if plan.schedule == "interleaved" else ""
     return (f"{replicas}; {microbatches} mb of {plan.microbatch_size}, "
             f"{plan.schedule}{chunks}, remat {remats}")
+
+
+def unused_types(choice: PipelineChoice, problem: PipelineProblem) -> dict[str, Any]:
+    """Per device group the chosen plan leaves unused: what using it would cost, as far as
+    the planner saw (nothing is solved again).
+
+    ``{"best_step_s", "config", "slower_by", "limit", "limit_extra_s"}`` come from the fastest
+    final candidate that uses the group (the search's plan and the seeds,
+    :mod:`shardplan.solver.stages.portfolio`): ``limit`` names what it loses on, its
+    synchronisation (link bandwidth), its slowest replica's pipeline or its update, whichever
+    it spends the most time on beyond the chosen plan's. ``"alone"``: the fewest of the
+    group's devices that could hold one replica on it alone (a memory floor,
+    :func:`~shardplan.solver.stages.search.infeasibility_report`; ``None``: no sub-mesh of it
+    holds the model's largest layer) against how many it has."""
+    used = {s.group for r in choice.plan.replicas for s in r.stages}
+    chosen = choice.evaluation
+    names = [g.name for g in problem.groups]
+    minimum = infeasibility_report(problem).min_devices
+    out: dict[str, Any] = {}
+    for g, group in enumerate(problem.groups):
+        if g in used:
+            continue
+        row: dict[str, Any] = {"alone": {"devices_needed": minimum[g],
+                                         "devices": group.count}}
+        using = [c for c in choice.candidates if c.evaluation.feasible
+                 and any(s.group == g for r in c.plan.replicas for s in r.stages)]
+        if using:
+            best = min(using, key=lambda c: c.evaluation.step_time_s)
+            ev = best.evaluation
+            parts = {"synchronisation": ev.sync_s - chosen.sync_s,
+                     "pipeline": max(ev.replica_time_s) - max(chosen.replica_time_s),
+                     "update": ev.update_s - chosen.update_s}
+            worst = max(parts, key=lambda k: parts[k])
+            row.update(best_step_s=ev.step_time_s, config=_pipeline_config(best.plan, names),
+                       slower_by=ev.step_time_s / chosen.step_time_s - 1.0,
+                       limit={"synchronisation": "link bandwidth: its gradient "
+                                                 "synchronisation",
+                              "pipeline": "its slowest replica's pipeline",
+                              "update": "its optimizer update"}[worst],
+                       limit_extra_s=parts[worst])
+        out[group.name] = row
+    return out

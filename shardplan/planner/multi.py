@@ -29,7 +29,12 @@ from shardplan.errors import ConfigError, format_error
 from shardplan.kernels.registry import PRIMITIVE as KERNEL
 from shardplan.plan.plan import Layout, MeshSpec, Plan, Predicted, ReplicaSpec, Spec, Stage
 from shardplan.plan.timeline import TIMELINE_COLUMNS
-from shardplan.planner.alternatives import LAYOUT_BASIS, leaf_alternatives, pipeline_runner_ups
+from shardplan.planner.alternatives import (
+    LAYOUT_BASIS,
+    leaf_alternatives,
+    pipeline_runner_ups,
+    unused_types,
+)
 from shardplan.planner.decode import decode_constraints, decode_input_specs
 from shardplan.planner.layer_costs import LayerCosts
 from shardplan.planner.mesh import MeshChoice
@@ -515,6 +520,8 @@ def _solver_record(cluster: Cluster, costs: LayerCosts, problem: PipelineProblem
                        for c in solution.candidates},
         # for Plan.explain (planner/alternatives.py)
         "runner_ups": pipeline_runner_ups(solution, [g.device.name for g in cluster.groups]),
+        # per device group the plan leaves unused, what using it would cost (Plan.explain)
+        "unused_types": unused_types(solution, problem),
         "alternatives": {"layouts": placed.alternatives},
         # the batch size the fingerprinted graph was traced at (check_plan traces there too)
         FINGERPRINT_SAMPLES: costs.reference_batch,

@@ -12,6 +12,9 @@ What the planner records, in ``Plan.solver`` (JSON-native, so no schema change; 
 * ``runner_ups``: a list of ``{"mesh": {"axis_names", "axis_sizes"}, "step_time_s",
   "memory_bytes", "objective_s", "status", "reason"}`` (single mesh) or ``{"config",
   "step_time_s", "memory_bytes", "reason", ...}`` (stage planner), best first.
+* ``unused_types``: per device group the plan leaves unused, ``{"alone": {"devices_needed",
+  "devices"}, "best_step_s", "config", "slower_by", "limit", "limit_extra_s"}`` (stage
+  planner).
 * ``alternatives``: ``{"basis": text, "groups": [{"chosen": spec, "options": [[spec,
   delta_step_s or None, delta_memory_bytes, feasible], ...]}, ...], "leaves": {pattern:
   group index, or [[group index, [starred values, ...]], ...] when leaves of one pattern lie in
@@ -182,6 +185,37 @@ def _runner_ups(plan: Plan) -> list[str]:
     return lines
 
 
+def _unused_types(plan: Plan) -> list[str]:
+    """Per device group the plan leaves unused, what using it would cost
+    (``plan.solver["unused_types"]``, :func:`shardplan.planner.alternatives.unused_types`)."""
+    rows = plan.solver.get("unused_types")
+    if not isinstance(rows, Mapping) or not rows:
+        return []
+    lines = ["Device types this plan leaves unused"]
+    for name, row in rows.items():
+        if not isinstance(row, Mapping):
+            continue
+        alone = row.get("alone", {})
+        need, have = alone.get("devices_needed"), alone.get("devices")
+        if need is None:
+            holds = "alone, no sub-mesh of it holds the model's largest layer (memory)"
+        elif need > have:
+            holds = (f"alone, one replica needs at least {need} of its devices and it has "
+                     f"{have} (memory)")
+        else:
+            holds = f"alone, one replica needs at least {need} of its {have} devices"
+        if "best_step_s" in row:
+            text = (f"{name}: the fastest plan found that uses it takes "
+                    f"{_seconds(row['best_step_s'])} per step, "
+                    f"{100 * float(row['slower_by']):.1f} % slower: {row['limit']} takes "
+                    f"{_seconds(row.get('limit_extra_s'))} more than the chosen plan's "
+                    f"({row['config']}); {holds}.")
+        else:
+            text = f"{name}: no plan the planner kept uses it; {holds}."
+        lines += wrap_text(text, "  ", "    ")
+    return [*lines, ""]
+
+
 def _records(plan: Plan) -> list[tuple[str, Mapping[str, Any]]]:
     """``(layout name or "", alternatives record)`` of the plan."""
     alt = plan.solver.get("alternatives")
@@ -273,6 +307,7 @@ def explain(plan: Plan, /, tensor: str | None = None) -> str:
         lines += ["", *_leaf(plan, tensor)]
         return "\n".join(clip_line(line.rstrip()) for line in lines)
     lines += ["", *_runner_ups(plan), ""]
+    lines += _unused_types(plan)
     records = _records(plan)
     if not records:
         lines += wrap_text("This plan records no per-tensor alternatives (a plan made by a "

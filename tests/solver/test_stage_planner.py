@@ -24,6 +24,7 @@ from shardplan.errors import ConfigError, InfeasibleError
 from shardplan.solver.stages.baselines import homogeneous_only
 from shardplan.solver.stages.bound import config_bound
 from shardplan.solver.stages.mix import best_mix
+from shardplan.solver.stages.pairs import two_type_shapes
 from shardplan.solver.stages.pipeline import (
     DeviceGroup,
     LayerKind,
@@ -44,7 +45,6 @@ from shardplan.solver.stages.search import (
     _configs,
     solve_pipeline,
 )
-from shardplan.solver.stages.pairs import two_type_shapes
 from shardplan.solver.stages.shapes import _Types, replica_shapes, shape_of, stack_edges
 
 FREE = Link(1.0, 0.0)  # a link whose transfers of 0 bytes cost nothing
