@@ -7,10 +7,10 @@ k_b`` are equal when ``n_a = n (k_a / r_a) / (k_a / r_a + k_b / r_b)``. :func:`t
 builds, for every ordered pair of (group, sub-mesh size) on different groups and stage counts
 on a geometric grid, the replicas with ``n_a`` rounded down and up (each part's layers split
 as evenly as they go, the shorter stages first), each evaluated exactly by
-:func:`~shardplan.solver.stages.shapes.shape_of`, with the fastest remat of each part that
-holds its layers (the pairs of remats tried fastest first, the first that fits kept; a split
-whose stages cannot hold their layers' state and one microbatch's activations is skipped
-before it is evaluated).
+:func:`~shardplan.solver.stages.shapes.shape_of`, for the pairs of the two parts' remats,
+fastest first, until one holds every microbatch its schedule keeps in flight (those before
+it that fit with fewer are kept too; a split whose stages cannot hold their layers' state
+and one microbatch's activations is skipped before it is evaluated).
 
 These are the mixed replicas the exact search (:mod:`shardplan.solver.stages.search`) also
 builds, found in a fraction of its time: a search cut by its budget on a large cluster still
@@ -112,15 +112,15 @@ def two_type_shapes(problem: PipelineProblem, mb: int, schedule: Schedule, v: in
         for ka, kb in itertools.product(stage_counts(most_a), stage_counts(most_b)):
             if (problem.max_stages and ka + kb > problem.max_stages) or ka + kb > n:
                 continue
-            # the fastest remat of each part that holds it (the first fitting pair)
+            # the remats of the two parts, fastest first, until one pair holds all the
+            # microbatches in flight that its schedule keeps
             for (ta, rate_a), (tb, rate_b) in itertools.product(kinds[ga, da], kinds[gb, db]):
                 shape = _pair(problem, mb, schedule, v, types, held, (ta, ka, rate_a),
                               (tb, kb, rate_b), out, budget)
-                if shape is None:
-                    continue
                 if budget.over():
                     return out
-                break
+                if shape is not None and shape.cap >= problem.batch // mb:
+                    break
     return out
 
 
