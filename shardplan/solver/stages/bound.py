@@ -40,9 +40,10 @@ of other groups do not count):
   ``T >= sum_l min a_l + (M - 1) B``;
 * ``R`` is at most ``sum_g N_g memory_g / S_state`` (the least total state bytes of one replica)
   and ``M``;
-* whatever ``R``, every replica runs at least one microbatch through every layer, so ``tau
-  >= T_r >= A_r >= sum_l min_o a_lo`` (the fill): with ``R`` near ``M`` the fluid term
-  ``M - R <= F(tau)`` alone says little.
+* whatever ``R``, every replica runs at least one microbatch through every layer, and some
+  replica has at most ``N_S / R`` devices, so ``tau >= T_r >= A_r >= sum_l min a_lo`` over
+  the options of at most ``N_S / R`` devices (its fill): with ``R`` near ``M`` the fluid
+  term ``M - R <= F(tau)`` alone says little.
 
 Under the cost objective, ``step * price >= sum_r (m_r - 1) sum_g price_g W_rg >= (M - R)
 sum_l min_o price_g w_lo`` by the same inequality.
@@ -337,10 +338,25 @@ class Fluid:
                     + 2 * (r - 1) * link.latency_s) * (1 - SAFETY)
             if sync >= best:
                 break  # the synchronisation floor only grows with r
-            # every replica runs some microbatch through every layer: T_r >= A_r >= fill
-            tau = max(self.least_tau(self.total - r, counts), self.prefix_fill[-1])
+            # every replica runs some microbatch through every layer, and one of them has at
+            # most N / r devices: T_r >= A_r >= its fill on stages that small
+            tau = max(self.least_tau(self.total - r, counts),
+                      self.fill_within(int(devices) // r, groups))
+            if tau == math.inf:
+                break  # no replica of so few devices holds every layer: nor of fewer
             best = min(best, tau + sync + update)
         return best
+
+    def fill_within(self, devices: int, groups: tuple[int, ...]) -> float:
+        """The least fill (every layer once, on its fastest option of at most ``devices``
+        devices on ``groups``, divided by ``v``) of a replica of at most ``devices`` devices;
+        ``inf`` when some layer has no such option."""
+        total = 0.0
+        for opts, count in self.kind_layers:
+            fastest = min((t for g, t, d, _, _ in opts if d <= devices and g in groups),
+                          default=math.inf)
+            total += count * fastest
+        return total / self.v * (1 - SAFETY)
 
     def sync_floor(self, replicas: int) -> float:
         """The least synchronisation of a plan with ``replicas`` replicas (on any groups)."""

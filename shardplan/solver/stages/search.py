@@ -198,6 +198,8 @@ __all__ = [
 PAIRS_SHARE = 0.2
 """Of the budget left after the quick plans, the most the two-group replicas of
 :meth:`_Search.typed_phase` take."""
+PAIRS_KEPT = 64
+"""Two-group replica shapes per configuration the phase mixes (:func:`_most_efficient`)."""
 TYPED_SHARE = 0.4
 """Of the budget left after them, the most the exact search on each group alone takes
 (:meth:`_Search.typed_phase`); the full phase has the rest."""
@@ -570,10 +572,10 @@ class _Search:
                     continue
                 self.types.setdefault(mb, _Types(problem, mb))
                 bound = self.bound_for(mb, self.best_value, self.fluids[i])
-                pairs[i] = _undominated(
+                pairs[i] = _undominated(_most_efficient(
                     [s for s in two_type_shapes(problem, mb, schedule, v, self.types[mb], sub)
                      if not bound.hopeless(s.fill_s, s.bottleneck_s, s.cap, s.step, s.sigma,
-                                           s.update_s, s.usage)], bound.safe, sub)
+                                           s.update_s, s.usage)]), bound.safe, sub)
                 if pairs[i]:
                     self._offer(i, pairs[i] + uniform_shapes(problem, mb, schedule, v,
                                                              bound.safe, sub), sub)
@@ -663,6 +665,13 @@ def _no_plan_error(problem: PipelineProblem, budget: Budget, optimal: bool
         remedy="raise PlanConfig.stage_work_limit (0: no limit) or "
                "PlanConfig.stage_time_limit_s, or narrow the search "
                "(PlanConfig.microbatch_sizes, .schedules, .remats, .chunks, .max_stages)"))
+
+
+def _most_efficient(shapes: list[Shape], keep: int = PAIRS_KEPT) -> list[Shape]:
+    """The ``keep`` shapes of fewest device-seconds per microbatch in steady state
+    (bottleneck times devices; then the least fill), in that order: the knapsack over all of
+    them (thousands on a cluster of a hundred GPUs) would take longer than the phase has."""
+    return sorted(shapes, key=lambda s: (s.bottleneck_s * sum(s.usage), s.fill_s))[:keep]
 
 
 def _share(budget: Budget, share: float) -> Budget:
