@@ -557,51 +557,53 @@ class _Search:
                 if any(g in k.options for k in problem.kinds)]
         if len(used) < 2:
             return  # the full phase's shapes are these
-        budget = self.budget
         alone = {g: _only_group(problem, g) for g in used}
         types: dict[tuple[int, int], _Types] = {}
         order = sorted(range(len(configs)), key=lambda i: (quick[i], floors[i], i))
         pairs: dict[int, list[Shape]] = {}
-        sub = _share(budget, PAIRS_SHARE)
+
+        def two_types(i: int, sub: Budget) -> None:
+            # the uniform replicas of each group and the two-group replicas, mixed
+            mb, schedule, v = configs[i]
+            self.types.setdefault(mb, _Types(problem, mb))
+            bound = self.bound_for(mb, self.best_value, self.fluids[i])
+            pairs[i] = _undominated(_most_efficient(
+                [s for s in two_type_shapes(problem, mb, schedule, v, self.types[mb], sub)
+                 if not bound.hopeless(s.fill_s, s.bottleneck_s, s.cap, s.step, s.sigma,
+                                       s.update_s, s.usage)]), bound.safe, sub)
+            if pairs[i]:
+                self._offer(i, pairs[i] + uniform_shapes(problem, mb, schedule, v,
+                                                         bound.safe, sub), sub)
+
+        def one_type(i: int, sub: Budget) -> None:
+            # each group's exact shapes with them
+            mb, schedule, v = configs[i]
+            shapes = list(pairs.get(i, ()))
+            for g in used:
+                # Rule F with the group's own capacity: its shapes that win on it alone
+                # (fast), not those that only win beside the other groups' replicas.
+                fluid = Fluid(alone[g], mb, schedule, v)
+                types.setdefault((g, mb), _Types(alone[g], mb))
+                shapes += replica_shapes(alone[g], mb, schedule, v,
+                                         self.bound_for(mb, self.best_value, fluid), sub,
+                                         types[g, mb])[0]
+            self._offer(i, shapes, sub)
+
+        self._each_config(order, PAIRS_SHARE, two_types)
+        self._each_config(order, TYPED_SHARE, one_type)
+
+    def _each_config(self, order: Sequence[int], share: float,
+                     visit: Callable[[int, Budget], None]) -> None:
+        """``visit`` each configuration of ``order`` whose floor is below the best plan,
+        within ``share`` of the budget left (past it, the rest are skipped)."""
+        budget = self.budget
+        sub = _share(budget, share)
         try:
-            # First the cheap part for every configuration: the uniform replicas of each
-            # group and the two-group replicas (pairs.py), mixed.
             for i in order:
-                mb, schedule, v = configs[i]
-                if floors[i] >= self.best_value:
-                    continue
-                self.types.setdefault(mb, _Types(problem, mb))
-                bound = self.bound_for(mb, self.best_value, self.fluids[i])
-                pairs[i] = _undominated(_most_efficient(
-                    [s for s in two_type_shapes(problem, mb, schedule, v, self.types[mb], sub)
-                     if not bound.hopeless(s.fill_s, s.bottleneck_s, s.cap, s.step, s.sigma,
-                                           s.update_s, s.usage)]), bound.safe, sub)
-                if pairs[i]:
-                    self._offer(i, pairs[i] + uniform_shapes(problem, mb, schedule, v,
-                                                             bound.safe, sub), sub)
+                if self.floors[i] < self.best_value:
+                    visit(i, sub)
         except SearchTimeout:
-            pass
-        finally:
-            budget.spend(sub.spent - budget.spent)
-        sub = _share(budget, TYPED_SHARE)
-        try:
-            # Then each group's exact shapes with them.
-            for i in order:
-                mb, schedule, v = configs[i]
-                if floors[i] >= self.best_value:
-                    continue
-                shapes = list(pairs.get(i, ()))
-                for g in used:
-                    # Rule F with the group's own capacity: its shapes that win on it alone
-                    # (fast), not those that only win beside the other groups' replicas.
-                    fluid = Fluid(alone[g], mb, schedule, v)
-                    types.setdefault((g, mb), _Types(alone[g], mb))
-                    shapes += replica_shapes(alone[g], mb, schedule, v,
-                                             self.bound_for(mb, self.best_value, fluid), sub,
-                                             types[g, mb])[0]
-                self._offer(i, shapes, sub)
-        except SearchTimeout:
-            pass  # the full phase goes on with the budget left
+            pass  # the next phase goes on with the budget left
         finally:
             budget.spend(sub.spent - budget.spent)
 
