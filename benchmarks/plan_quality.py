@@ -283,6 +283,7 @@ def run_case(cluster_name: str, model: str, batch: int, cache: Path, *,
     """Everything about one (cluster, model): tables, problem, every method, scores."""
     import shardplan as sp
     from shardplan.errors import InfeasibleError
+    from shardplan.planner.alternatives import unused_types
     from shardplan.planner.multi import effective_matmul_flops_per_s, pipeline_problem
     from shardplan.solver.stages.baselines import (
         data_parallel_only,
@@ -334,6 +335,9 @@ def run_case(cluster_name: str, model: str, batch: int, cache: Path, *,
             p = dataclasses.replace(p, time_limit_s=time_limit_s)
         choice = plan_pipeline(p)
         stats[key] = {k: getattr(choice.stats, k) for k in choice.stats.__dataclass_fields__}
+        # what make_plan records for Plan.explain: per unused device type, the fastest
+        # candidate that uses it and what it loses on
+        stats[key]["unused_types"] = unused_types(choice, p)
         stats[key]["chosen"] = choice.source
         stats[key]["timings"] = choice.timings
         return choice.plan
