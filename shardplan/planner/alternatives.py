@@ -402,11 +402,11 @@ def unused_types(choice: PipelineChoice, problem: PipelineProblem) -> dict[str, 
     used = {s.group for r in choice.plan.replicas for s in r.stages}
     chosen = choice.evaluation
     names = [g.name for g in problem.groups]
-    minimum = infeasibility_report(problem).min_devices
+    unused = [g for g in range(len(problem.groups)) if g not in used]
+    minimum = infeasibility_report(problem).min_devices if unused else ()
     out: dict[str, Any] = {}
-    for g, group in enumerate(problem.groups):
-        if g in used:
-            continue
+    for g in unused:
+        group = problem.groups[g]
         row: dict[str, Any] = {"alone": {"devices_needed": minimum[g],
                                          "devices": group.count}}
         using = [c for c in choice.candidates if c.evaluation.feasible

@@ -494,10 +494,11 @@ def _solver_record(cluster: Cluster, costs: LayerCosts, problem: PipelineProblem
 
     pp, ev = solution.plan, solution.evaluation
     stats, simulation = solution.stats, solution.simulation
+    value = ev.cost_per_step if problem.objective == "cost" else ev.step_time_s
     solver: dict[str, object] = {
         "status": "optimal" if stats.optimal else "feasible",
         "objective": problem.objective,
-        "objective_value": ev.cost_per_step if problem.objective == "cost" else ev.step_time_s,
+        "objective_value": value,
         "replica_seconds": [round(t, 9) for t in ev.replica_time_s],
         "sync_s": ev.sync_s, "update_s": ev.update_s,
         "simulated_step_s": simulation.step_time_s if simulation else None,
@@ -529,8 +530,7 @@ def _solver_record(cluster: Cluster, costs: LayerCosts, problem: PipelineProblem
     # the proven gap of every plan to the search's lower bound (0 when optimal; None: no
     # bound above 0 proven)
     solver["lower_bound"] = stats.lower_bound if math.isfinite(stats.lower_bound) else None
-    solver["gap"] = proven_gap(float(solver["objective_value"]),  # type: ignore[arg-type]
-                               stats.lower_bound)
+    solver["gap"] = proven_gap(value, stats.lower_bound)
     if not stats.optimal:
         if 0 < problem.work_limit < stats.work:
             solver["work_limit_reached"] = problem.work_limit

@@ -503,8 +503,23 @@ class _Search:
     best: PipelinePlan | None = None
     seed_index: int = -1
     """The index of the seed ``best`` is, or -1 (found by the search)."""
-    types: dict[int, _Types] = field(default_factory=dict)
+    types: dict[tuple[int, int], _Types] = field(default_factory=dict)
+    """Per (group, microbatch size), the stage types (group -1: every group), built once."""
+    alone: dict[int, PipelineProblem] = field(default_factory=dict)
+    """Per group, the problem with that group's options only (:func:`_only_group`)."""
     tables: dict[int, dict] = field(default_factory=dict)
+
+    def only(self, group: int) -> PipelineProblem:
+        """The problem with ``group``'s options only, built once."""
+        if group not in self.alone:
+            self.alone[group] = _only_group(self.problem, group)
+        return self.alone[group]
+
+    def stage_types(self, mb: int, group: int = -1) -> _Types:
+        """The stage types at ``mb`` (of ``group`` alone; -1: every group), built once."""
+        if (group, mb) not in self.types:
+            self.types[group, mb] = _Types(self.problem if group < 0 else self.only(group), mb)
+        return self.types[group, mb]
 
     def offer_seeds(self, seeds: Sequence[PipelinePlan]) -> None:
         """Takes the best feasible seed as the best plan (ties: the earlier seed)."""
@@ -526,12 +541,11 @@ class _Search:
             mb, schedule, v = configs[i]
             if floors[i] >= self.best_value or (self.best is not None and budget.over(0)):
                 continue  # (past the budget, only until there is a plan)
-            self.types.setdefault(mb, _Types(problem, mb))
             # Until there is a plan the quick phase runs unbounded; its work still counts.
             fence = budget if self.best is not None else Budget()
             mix = _quick(problem, mb, schedule, v,
                          self.bound_for(mb, self.best_value, self.fluids[i]), self.fluids[i],
-                         self.types[mb], self.tables.setdefault(mb, {}), fence)
+                         self.stage_types(mb), self.tables.setdefault(mb, {}), fence)
             if fence is not budget:
                 budget.spend(fence.spent)
             if mix is not None:
@@ -557,18 +571,15 @@ class _Search:
                 if any(g in k.options for k in problem.kinds)]
         if len(used) < 2:
             return  # the full phase's shapes are these
-        alone = {g: _only_group(problem, g) for g in used}
-        types: dict[tuple[int, int], _Types] = {}
         order = sorted(range(len(configs)), key=lambda i: (quick[i], floors[i], i))
         pairs: dict[int, list[Shape]] = {}
 
         def two_types(i: int, sub: Budget) -> None:
             # the uniform replicas of each group and the two-group replicas, mixed
             mb, schedule, v = configs[i]
-            self.types.setdefault(mb, _Types(problem, mb))
             bound = self.bound_for(mb, self.best_value, self.fluids[i])
             pairs[i] = _undominated(_most_efficient(
-                [s for s in two_type_shapes(problem, mb, schedule, v, self.types[mb], sub)
+                [s for s in two_type_shapes(problem, mb, schedule, v, self.stage_types(mb), sub)
                  if not bound.hopeless(s.fill_s, s.bottleneck_s, s.cap, s.step, s.sigma,
                                        s.update_s, s.usage)]), bound.safe, sub)
             if pairs[i]:
@@ -582,11 +593,10 @@ class _Search:
             for g in used:
                 # Rule F with the group's own capacity: its shapes that win on it alone
                 # (fast), not those that only win beside the other groups' replicas.
-                fluid = Fluid(alone[g], mb, schedule, v)
-                types.setdefault((g, mb), _Types(alone[g], mb))
-                shapes += replica_shapes(alone[g], mb, schedule, v,
+                fluid = Fluid(self.only(g), mb, schedule, v)
+                shapes += replica_shapes(self.only(g), mb, schedule, v,
                                          self.bound_for(mb, self.best_value, fluid), sub,
-                                         types[g, mb])[0]
+                                         self.stage_types(mb, g))[0]
             self._offer(i, shapes, sub)
 
         self._each_config(order, PAIRS_SHARE, two_types)
@@ -633,9 +643,8 @@ class _Search:
             try:
                 budget.check()
                 bound = self.bound_for(mb, self.best_value, self.fluids[i])
-                self.types.setdefault(mb, _Types(problem, mb))
                 shapes, kept = replica_shapes(problem, mb, schedule, v, bound, budget,
-                                              self.types[mb])
+                                              self.stage_types(mb))
                 labels, n_shapes = labels + kept, n_shapes + len(shapes)
                 mix = best_mix(problem, shapes, bound, budget) if shapes else None
             except SearchTimeout:
