@@ -329,6 +329,25 @@ def test_infeasible_reports_memory_and_device_figures() -> None:
     assert "7 bytes per device" in message and "fix:" in message
 
 
+def test_infeasible_report_counts_the_working_bytes() -> None:
+    # Three layers of 2 bytes of state and 1 byte of activation under full remat, which
+    # recomputes 3 bytes per layer at once in the backward (stage_held: state + summed
+    # recomputed bytes + activation): one layer alone holds 2 + 3 + 1 = 6 bytes, two 4 + 6 +
+    # 2 = 12. With 10 bytes per device a stage holds one layer: a replica needs 3 devices
+    # (state and activation alone would put all three on one device: 6 + 3 = 9 bytes).
+    o = dataclasses.replace(_option(1, state=2.0, full_activation=1.0),
+                            recompute_bytes={"full": 3.0})
+    kind = LayerKind("block", {0: (o,)}, 0.0, 0.0)
+    problem = PipelineProblem((kind,), (0, 0, 0), (_group("a", 2, memory=10.0),), FREE,
+                              batch=1, microbatch_sizes=(1,), remats=("full",))
+    with pytest.raises(PipelineInfeasibleError) as info:
+        solve_pipeline(problem)
+    report = info.value.report
+    assert report.memory_floor_bytes == (6.0,)
+    assert report.min_devices == (3,)
+    assert "the model fits on 3 x a alone (there are 2)" in str(info.value)
+
+
 def test_negative_price_is_rejected() -> None:
     kind = LayerKind("block", {0: (_option(1),)}, 0.0, 0.0)
     group = DeviceGroup("d", 1, 1, 10.0, -1.0, FREE, FREE)

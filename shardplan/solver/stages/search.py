@@ -250,8 +250,9 @@ class InfeasibilityReport:
 
     Attributes:
       memory_floor_bytes: per group, the bytes per device the most demanding layer needs at
-        least (alone on the group's largest sub-mesh, cheapest remat, smallest microbatch,
-        one microbatch in flight); ``inf`` when some layer has no option there.
+        least (alone on a stage of its cheapest sub-mesh and remat, smallest microbatch, one
+        microbatch in flight, with the stage's working bytes); ``inf`` when some layer has no
+        option there.
       memory_bytes: per group, the usable bytes per device.
       min_devices: per group, the fewest devices of that type alone that hold one replica
         (same floors), or ``None`` when none would.
@@ -300,9 +301,14 @@ def infeasibility_report(problem: PipelineProblem, /) -> InfeasibilityReport:
     sizes = [mb for mb in problem.microbatch_sizes if mb > 0 and problem.batch % mb == 0]
     mb = min(sizes) if sizes else min(problem.microbatch_sizes, default=1)
     floors, minimum = [], []
+    # every sub-mesh size, also those larger than a group (how many devices would do)
+    types = _Types(dataclasses.replace(problem, groups=tuple(
+        dataclasses.replace(grp, count=max([grp.count] + [o.devices for k in problem.kinds
+                                                          for o in k.options.get(g, ())]))
+        for g, grp in enumerate(problem.groups))), mb)
     for g in range(len(problem.groups)):
-        floors.append(_memory_floor(problem, g, mb))
-        minimum.append(_min_devices(problem, g, mb))
+        floors.append(_memory_floor(problem, g, mb, types))
+        minimum.append(_min_devices(problem, g, mb, types))
     fits = any(m is not None and m <= grp.count for m, grp in zip(minimum, problem.groups,
                                                                    strict=True))
     remedy = None
@@ -329,17 +335,19 @@ def infeasibility_report(problem: PipelineProblem, /) -> InfeasibilityReport:
                                remedy)
 
 
-def _memory_floor(problem: PipelineProblem, g: int, mb: int) -> float:
+def _memory_floor(problem: PipelineProblem, g: int, mb: int, types: _Types) -> float:
     """The least bytes per device of group ``g`` the most demanding layer needs.
 
-    Its cheapest option and remat, ``mb`` samples, one microbatch in flight.
+    Alone on a stage of its cheapest option and remat, ``mb`` samples, one microbatch in
+    flight, counted as every stage's memory is (:func:`~shardplan.solver.stages.pipeline.
+    stage_held`: its state, one backward program's working bytes, the saved activations).
     """
     need = 0.0
-    for k in problem.layers:
+    for x in range(len(problem.layers)):
         best = math.inf
-        for o in problem.kinds[k].options.get(g, ()):
-            for r in problem.remats:
-                best = min(best, o.state_bytes + 1.0 * mb * o.activation_bytes[r])
+        for ti, (gg, _, _) in enumerate(types.types):
+            if gg == g and (agg := types.sums(ti, (x,))) is not None:
+                best = min(best, agg[1] + 1.0 * mb * agg[2])
         need = max(need, best)
     return need
 
@@ -381,26 +389,18 @@ def _stack_reason(problem: PipelineProblem) -> tuple[str, str]:
     return reason, remedy
 
 
-def _min_devices(problem: PipelineProblem, g: int, mb: int) -> int | None:
+def _min_devices(problem: PipelineProblem, g: int, mb: int, types: _Types) -> int | None:
     """The fewest devices of group ``g`` whose stages hold all layers with one microbatch in
-    flight (within ``max_stages`` stages when set)."""
+    flight (within ``max_stages`` stages when set), each stage's memory counted as the search
+    counts it (:meth:`~shardplan.solver.stages.shapes._Types.runs`)."""
     n, group = len(problem.layers), problem.groups[g]
-    sizes = sorted({o.devices for k in problem.kinds for o in k.options.get(g, ())})
     # reach[i]: (devices, first layer after) of every stage that starts at layer i and fits
     reach: list[list[tuple[int, int]]] = [[] for _ in range(n)]
-    for i in range(n):
-        for d in sizes:
-            for r in problem.remats:
-                state = act = 0.0
-                for j in range(i, n):
-                    o = problem.kinds[problem.layers[j]].option(g, d)
-                    if o is None:
-                        break
-                    state += o.state_bytes
-                    act += o.activation_bytes[r]
-                    if state + 1.0 * mb * act > group.memory_bytes:
-                        break
-                    reach[i].append((d, j + 1))
+    for ti, (gg, d, _) in enumerate(types.types):
+        if gg != g:
+            continue
+        for i, run in enumerate(types.runs(ti, group.memory_bytes)[:n]):
+            reach[i].extend((d, i + length) for length in range(1, len(run) + 1))
     # fewest[j]: fewest devices covering layers [0, j), one list entry per stage count
     fewest = [math.inf] * (n + 1)
     fewest[0] = 0
