@@ -19,10 +19,15 @@ problem is solved again.
   the state, forbids a resharded operand): those are re-chosen at their cheapest
   (:func:`alternative`). The figures are the problem's own cost terms, as
   :func:`~shardplan.solver.intraop.evaluate.evaluate` adds them.
+
+A pipeline plan also records, per device type it leaves unused, the best plan that uses it
+(:func:`unused_types`): the one place here that searches again, within a share of the stage
+planner's limits.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Mapping, Sequence
@@ -33,15 +38,16 @@ from shardplan.cluster import Cluster
 from shardplan.cluster.mesh import LogicalMesh
 from shardplan.cost.memory import estimate_memory
 from shardplan.cost.step import step_cost
+from shardplan.errors import InfeasibleError, SolverError
 from shardplan.plan.plan import Spec
 from shardplan.planner.decode import placed_analysis
 from shardplan.planner.mesh import MeshChoice
 from shardplan.planner.nodes import IntraOpProblem
 from shardplan.solver import Solution
 from shardplan.solver.intraop.problem import Problem
-from shardplan.solver.stages.pipeline import PipelinePlan, PipelineProblem
+from shardplan.solver.stages.pipeline import PipelinePlan, PipelineProblem, sync_link
 from shardplan.solver.stages.portfolio import PipelineChoice
-from shardplan.solver.stages.search import infeasibility_report
+from shardplan.solver.stages.search import infeasibility_report, solve_pipeline
 from shardplan.trace.graph import OpGraph
 
 __all__ = [
@@ -49,6 +55,7 @@ __all__ = [
     "LAYOUT_BASIS",
     "MAX_REPAIRS",
     "RUNNER_UPS",
+    "USING_SHARE",
     "LocalCosts",
     "alternative",
     "alternatives_record",
@@ -387,18 +394,26 @@ def _pipeline_config(plan: PipelinePlan, device_types: Sequence[str]) -> str:
             f"{plan.schedule}{chunks}, remat {remats}")
 
 
-def unused_types(choice: PipelineChoice, problem: PipelineProblem) -> dict[str, Any]:
-    """Per device group the chosen plan leaves unused: what using it would cost, as far as
-    the planner saw (nothing is solved again).
+USING_SHARE = 0.25
+"""Of the stage planner's time (and work) limit, what the search for the best plan that uses
+one unused device group gets (:func:`unused_types`)."""
 
-    ``{"best_step_s", "config", "slower_by", "limit", "limit_extra_s"}`` come from the fastest
-    final candidate that uses the group (the search's plan and the seeds,
-    :mod:`shardplan.solver.stages.portfolio`): ``limit`` names what it loses on, its
-    synchronisation (link bandwidth), its slowest replica's pipeline or its update, whichever
-    it spends the most time on beyond the chosen plan's. ``"alone"``: the fewest of the
-    group's devices that could hold one replica on it alone (a memory floor,
-    :func:`~shardplan.solver.stages.search.infeasibility_report`; ``None``: no sub-mesh of it
-    holds the model's largest layer) against how many it has."""
+
+def unused_types(choice: PipelineChoice, problem: PipelineProblem) -> dict[str, Any]:
+    """Per device group the chosen plan leaves unused: what using it costs.
+
+    The stage planner searches again for the best plan with a stage on the group
+    (:func:`~shardplan.solver.stages.search.solve_pipeline` with ``using``), within
+    :data:`USING_SHARE` of its time and work limits, seeded with the final candidates that
+    use it (:mod:`shardplan.solver.stages.portfolio`). Of the best found: ``best_step_s``,
+    ``config``, ``slower_by`` (over the chosen plan), ``optimal`` (proven the best plan that
+    uses the group), ``limit`` and ``limit_extra_s``: what it loses on, its synchronisation
+    (with ``sync_link_GB_s``, the bandwidth of the link it runs on), its slowest replica's
+    pipeline or its update, whichever it spends the most time on beyond the chosen plan's.
+    ``none_found``: why there is none (no plan uses the group, proven, or none within the
+    limit). ``"alone"``: the fewest of the group's devices that could hold one replica on it
+    alone (a memory floor, :func:`~shardplan.solver.stages.search.infeasibility_report`;
+    ``None``: no sub-mesh of it holds the model's largest layer) against how many it has."""
     used = {s.group for r in choice.plan.replicas for s in r.stages}
     chosen = choice.evaluation
     names = [g.name for g in problem.groups]
@@ -409,21 +424,33 @@ def unused_types(choice: PipelineChoice, problem: PipelineProblem) -> dict[str, 
         group = problem.groups[g]
         row: dict[str, Any] = {"alone": {"devices_needed": minimum[g],
                                          "devices": group.count}}
-        using = [c for c in choice.candidates if c.evaluation.feasible
+        seeds = [c.plan for c in choice.candidates if c.evaluation.feasible
                  and any(s.group == g for r in c.plan.replicas for s in r.stages)]
-        if using:
-            best = min(using, key=lambda c: c.evaluation.step_time_s)
-            ev = best.evaluation
+        limited = dataclasses.replace(
+            problem, time_limit_s=USING_SHARE * problem.time_limit_s,
+            work_limit=int(USING_SHARE * problem.work_limit) if problem.work_limit else 0)
+        try:
+            found = solve_pipeline(limited, seeds=seeds, using=g)
+        except InfeasibleError:
+            row["none_found"] = "no plan that uses it fits (proven)"
+        except SolverError:
+            row["none_found"] = (f"none found within {limited.time_limit_s:g} s of search")
+        else:
+            ev = found.evaluation
             parts = {"synchronisation": ev.sync_s - chosen.sync_s,
                      "pipeline": max(ev.replica_time_s) - max(chosen.replica_time_s),
                      "update": ev.update_s - chosen.update_s}
             worst = max(parts, key=lambda k: parts[k])
-            row.update(best_step_s=ev.step_time_s, config=_pipeline_config(best.plan, names),
+            row.update(best_step_s=ev.step_time_s, config=_pipeline_config(found.plan, names),
                        slower_by=ev.step_time_s / chosen.step_time_s - 1.0,
+                       optimal=found.stats.optimal,
                        limit={"synchronisation": "link bandwidth: its gradient "
                                                  "synchronisation",
                               "pipeline": "its slowest replica's pipeline",
                               "update": "its optimizer update"}[worst],
                        limit_extra_s=parts[worst])
+            if len(found.plan.replicas) > 1:
+                row["sync_link_GB_s"] = sync_link(
+                    problem, found.plan).bandwidth_bytes_per_s / 1e9
         out[group.name] = row
     return out

@@ -13,8 +13,9 @@ What the planner records, in ``Plan.solver`` (JSON-native, so no schema change; 
   "memory_bytes", "objective_s", "status", "reason"}`` (single mesh) or ``{"config",
   "step_time_s", "memory_bytes", "reason", ...}`` (stage planner), best first.
 * ``unused_types``: per device group the plan leaves unused, ``{"alone": {"devices_needed",
-  "devices"}, "best_step_s", "config", "slower_by", "limit", "limit_extra_s"}`` (stage
-  planner).
+  "devices"}, "best_step_s", "config", "slower_by", "optimal", "limit", "limit_extra_s",
+  "sync_link_GB_s"}`` of the best plan the stage planner found that uses it, or
+  ``{"alone", "none_found"}`` (:func:`shardplan.planner.alternatives.unused_types`).
 * ``alternatives``: ``{"basis": text, "groups": [{"chosen": spec, "options": [[spec,
   delta_step_s or None, delta_memory_bytes, feasible], ...]}, ...], "leaves": {pattern:
   group index, or [[group index, [starred values, ...]], ...] when leaves of one pattern lie in
@@ -205,13 +206,18 @@ def _unused_types(plan: Plan) -> list[str]:
         else:
             holds = f"alone, one replica needs at least {need} of its {have} devices"
         if "best_step_s" in row:
-            text = (f"{name}: the fastest plan found that uses it takes "
-                    f"{_seconds(row['best_step_s'])} per step, "
+            which = ("the best plan that uses it" if row.get("optimal")
+                     else "the best plan found that uses it")
+            link = row.get("sync_link_GB_s")
+            over = (f", over a {float(link):.3g} GB/s link"
+                    if link is not None and str(row["limit"]).startswith("link") else "")
+            text = (f"{name}: {which} takes {_seconds(row['best_step_s'])} per step, "
                     f"{100 * float(row['slower_by']):.1f} % slower: {row['limit']} takes "
-                    f"{_seconds(row.get('limit_extra_s'))} more than the chosen plan's "
-                    f"({row['config']}); {holds}.")
+                    f"{_seconds(row.get('limit_extra_s'))} more than the chosen plan's"
+                    f"{over} ({row['config']}); {holds}.")
         else:
-            text = f"{name}: no plan the planner kept uses it; {holds}."
+            why = row.get("none_found", "no plan the planner kept uses it")
+            text = f"{name}: {why}; {holds}."
         lines += wrap_text(text, "  ", "    ")
     return [*lines, ""]
 

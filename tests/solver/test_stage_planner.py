@@ -116,6 +116,35 @@ def test_matches_brute_force_on_random_problems() -> None:
         assert seen[what] >= least, (what, seen)
 
 
+def test_using_a_group_matches_brute_force() -> None:
+    # solve_pipeline(using=g): the best plan with a stage on group g, against the brute
+    # force's best over those plans, on random problems of two or more groups.
+    rng = random.Random(20261208)
+    seen: Counter[str] = Counter()
+    while seen["problems"] < 80:
+        problem = random_problem(rng)
+        if len(problem.groups) < 2 or count_plans(problem, PLAN_LIMIT) > PLAN_LIMIT:
+            continue
+        seen["problems"] += 1
+        g = rng.randrange(len(problem.groups))
+        expected = min((objective(problem, plan) for plan in all_plans(problem)
+                        if any(s.group == g for r in plan.replicas for s in r.stages)),
+                       default=math.inf)
+        try:
+            solution = solve_pipeline(problem, using=g)
+        except InfeasibleError:
+            assert expected == math.inf, f"problem {seen['problems']}: planner found nothing"
+            seen["infeasible"] += 1
+            continue
+        assert any(s.group == g for r in solution.plan.replicas for s in r.stages)
+        ev = solution.evaluation
+        got = ev.step_time_s if problem.objective == "time" else ev.cost_per_step
+        assert got == expected or math.isclose(got, expected, rel_tol=1e-12, abs_tol=0.0), (
+            f"problem {seen['problems']}: planner {got!r}, brute force {expected!r}")
+        seen["worse than free"] += got > best(problem)[0]
+    assert seen["infeasible"] >= 5 and seen["worse than free"] >= 5, seen
+
+
 def test_matches_brute_force_with_scanned_stacks() -> None:
     # A scanned stack's rows may only be cut into equal runs on alike stages (the runtime holds
     # them as one array split evenly over the stages' devices): the search keeps the optimum

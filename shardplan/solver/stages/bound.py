@@ -293,9 +293,10 @@ class Fluid:
                    for opts, count in self.kind_layers)
         return (fill / self.v + (total - 1) * lo) * (1 - SAFETY)
 
-    def bound(self) -> float:
+    def bound(self, using: int | None = None) -> float:
         """The least objective of any plan of this configuration (infinite when some layer
-        fits no stage at this microbatch size)."""
+        fits no stage at this microbatch size); with ``using``, of any plan with a stage on
+        that group."""
         if self.empty:
             return math.inf
         if not self.usable:
@@ -303,7 +304,8 @@ class Fluid:
         n_groups = len(self.problem.groups)
         if n_groups <= MOST_SUBSETS:
             subsets = [s for r in range(1, n_groups + 1)
-                       for s in itertools.combinations(range(n_groups), r)]
+                       for s in itertools.combinations(range(n_groups), r)
+                       if using is None or using in s]
         else:
             subsets = [tuple(range(n_groups))]
         return min(self._bound(s, exact=n_groups <= MOST_SUBSETS) for s in subsets)

@@ -70,8 +70,9 @@ class _Mixer:
     """The knapsack over one configuration's shapes, evaluated at pipeline-time bounds."""
 
     def __init__(self, problem: PipelineProblem, shapes: list[Shape], bound: PlanBound,
-                 budget: Budget) -> None:
+                 budget: Budget, need: int = 0) -> None:
         self.problem, self.shapes, self.bound, self.budget = problem, shapes, bound, budget
+        self.need = need  # a bitmask of groups every final state uses
         self.total = bound.total
         self.mask = (1 << (self.total + 1)) - 1
         self.counts = [g.count for g in problem.groups]
@@ -152,6 +153,8 @@ class _Mixer:
             if r == 0:
                 continue
             for supp in sorted(by_supp):
+                if supp & self.need != self.need:
+                    continue
                 for st in by_supp[supp]:
                     if not st[1] & bit:
                         continue
@@ -180,14 +183,19 @@ class _Mixer:
 
 
 def best_mix(problem: PipelineProblem, shapes: list[Shape], bound: PlanBound,
-             budget: Budget = UNLIMITED) -> Mix | None:
+             budget: Budget = UNLIMITED, need: int = 0) -> Mix | None:
     """The best multiset of ``shapes`` with a microbatch split, if its objective is below
-    ``bound.best``.
+    ``bound.best``; with ``need`` (a bitmask of groups), the best whose replicas use at least
+    those groups.
+
+    States are kept per set of groups used (rule K never compares a state with one on other
+    groups) and every bound is a floor on any completion, so filtering the final states keeps
+    the best plan of the restricted family.
 
     Raises:
       SearchTimeout: past the ``budget``.
     """
-    mixer = _Mixer(problem, shapes, bound, budget)
+    mixer = _Mixer(problem, shapes, bound, budget, need)
     best = bound.best
     floor_su = min((s.update_s for s in shapes), default=0.0)
     floor_price = min(mixer.prices, default=0.0)

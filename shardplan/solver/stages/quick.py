@@ -189,8 +189,10 @@ class _Sweep:
     """The knapsacks of all groups at pipeline-time bounds, and the plans they give."""
 
     def __init__(self, problem: PipelineProblem, shapes: list[Shape], bound: PlanBound,
-                 fluid: Fluid, budget: Budget, materialize: Callable[[Shape], Shape]) -> None:
+                 fluid: Fluid, budget: Budget, materialize: Callable[[Shape], Shape],
+                 need: int = 0) -> None:
         self.problem, self.bound, self.fluid, self.budget = problem, bound, fluid, budget
+        self.need = [g for g in range(len(problem.groups)) if need >> g & 1]
         self.materialize = materialize
         self.total = bound.total
         counts = [g.count for g in problem.groups]
@@ -229,7 +231,7 @@ class _Sweep:
             if len(out) >= MOST_COUNTS or have + rest[g] < self.total:
                 return
             if g == len(per_group):
-                if sum(combo):
+                if sum(combo) and all(combo[n] for n in self.need):
                     out.add(combo)
                 return
             for r, c in enumerate(per_group[g]):
@@ -242,7 +244,8 @@ class _Sweep:
         """Splits ``picks`` exactly and keeps the plan if it beats the best; the pipeline
         time of the split (``None``: tried before, or no split)."""
         key = tuple(sorted(id(s) for s in picks))
-        if not picks or key in self.tried:
+        if not picks or key in self.tried or not all(any(s.usage[g] for s in picks)
+                                                      for g in self.need):
             return None
         self.tried.add(key)
         result = _split(picks, self.total)
@@ -309,14 +312,15 @@ class _Sweep:
 
 
 def quick_mix(problem: PipelineProblem, shapes: list[Shape], bound: PlanBound, fluid: Fluid,
-              budget: Budget, materialize: Callable[[Shape], Shape] | None = None
-              ) -> Mix | None:
+              budget: Budget, materialize: Callable[[Shape], Shape] | None = None,
+              need: int = 0) -> Mix | None:
     """The best plan of one-group ``shapes`` the sweep finds (the module docstring), if its
     objective beats ``bound.best``; ``materialize`` gives a shape its stages
-    (:meth:`~shardplan.solver.stages.uniform.Family.materialize`)."""
+    (:meth:`~shardplan.solver.stages.uniform.Family.materialize`); ``need``: a bitmask of
+    groups each with at least one replica."""
     if not shapes:
         return None
-    sweep = _Sweep(problem, shapes, bound, fluid, budget, materialize or (lambda s: s))
+    sweep = _Sweep(problem, shapes, bound, fluid, budget, materialize or (lambda s: s), need)
     tau_top = max(s.time_s(s.cap) for s in shapes)
     tau_floor = fluid.least_tau(sweep.total - fluid.most_replicas) if fluid.usable else 0.0
     queue: list[tuple[float, float]] = [(math.inf, math.inf)]

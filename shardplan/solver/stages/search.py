@@ -432,8 +432,8 @@ def _configs(problem: PipelineProblem) -> list[tuple[int, Schedule, int]]:
     return out
 
 
-def solve_pipeline(problem: PipelineProblem, /, *,
-                   seeds: Sequence[PipelinePlan] = ()) -> PipelineSolution:
+def solve_pipeline(problem: PipelineProblem, /, *, seeds: Sequence[PipelinePlan] = (),
+                   using: int | None = None) -> PipelineSolution:
     """The plan minimising :func:`~shardplan.solver.stages.pipeline.evaluate_pipeline`'s step time
     (``objective="time"``) or cost per step subject to the throughput floor (``"cost"``).
 
@@ -445,6 +445,10 @@ def solve_pipeline(problem: PipelineProblem, /, *,
       seeds: plans to start from (say, the baselines' of :mod:`shardplan.solver.stages.baselines`):
         each feasible one bounds the search from the start, and the result is never worse
         than any of them (ties keep the seed). Infeasible seeds are ignored.
+      using: a group index: the best plan with a stage on that group (what using it costs,
+        :func:`shardplan.planner.alternatives.unused_types`). Every phase keeps only mixes
+        that use it (the quick phase: at least one replica on it), and the floors are those
+        of plans on sets of groups that hold it. Seeds that do not use it are ignored.
 
     Returns:
       The plan, its evaluation and search statistics (``stats.seed``: the index of the seed
@@ -462,8 +466,9 @@ def solve_pipeline(problem: PipelineProblem, /, *,
     bound_for = _bounds(problem)
     configs = _configs(problem)
     fluids = [Fluid(problem, mb, schedule, v) for mb, schedule, v in configs]
-    floors = [fluid.bound() for fluid in fluids]
-    search = _Search(problem, budget, bound_for, configs, fluids, floors)
+    floors = [fluid.bound(using) for fluid in fluids]
+    search = _Search(problem, budget, bound_for, configs, fluids, floors,
+                     need=0 if using is None else 1 << using)
     search.offer_seeds(seeds)
     quick = search.quick_phase()
     quick_s = time.perf_counter() - start
@@ -508,6 +513,8 @@ class _Search:
     alone: dict[int, PipelineProblem] = field(default_factory=dict)
     """Per group, the problem with that group's options only (:func:`_only_group`)."""
     tables: dict[int, dict] = field(default_factory=dict)
+    need: int = 0
+    """A bitmask of groups every plan must use (``solve_pipeline``'s ``using``)."""
 
     def only(self, group: int) -> PipelineProblem:
         """The problem with ``group``'s options only, built once."""
@@ -525,6 +532,9 @@ class _Search:
         """Takes the best feasible seed as the best plan (ties: the earlier seed)."""
         problem = self.problem
         for i, seed in enumerate(seeds):
+            if self.need and not all(any(s.group == g for r in seed.replicas for s in r.stages)
+                                     for g in range(len(problem.groups)) if self.need >> g & 1):
+                continue
             ev = evaluate_pipeline(problem, seed)
             value = ev.step_time_s if problem.objective == "time" else ev.cost_per_step
             if ev.feasible and value < self.best_value:
@@ -545,7 +555,8 @@ class _Search:
             fence = budget if self.best is not None else Budget()
             mix = _quick(problem, mb, schedule, v,
                          self.bound_for(mb, self.best_value, self.fluids[i]), self.fluids[i],
-                         self.stage_types(mb), self.tables.setdefault(mb, {}), fence)
+                         self.stage_types(mb), self.tables.setdefault(mb, {}), fence,
+                         self.need)
             if fence is not budget:
                 budget.spend(fence.spent)
             if mix is not None:
@@ -622,7 +633,7 @@ class _Search:
         strictly better."""
         mb, schedule, v = self.configs[i]
         bound = self.bound_for(mb, self.best_value, self.fluids[i])
-        mix = best_mix(self.problem, shapes, bound, budget) if shapes else None
+        mix = best_mix(self.problem, shapes, bound, budget, self.need) if shapes else None
         if mix is not None and mix.value < self.best_value:
             self.best_value, self.best, self.seed_index = (
                 mix.value, _plan(mix, mb, schedule, v), -1)
@@ -646,7 +657,7 @@ class _Search:
                 shapes, kept = replica_shapes(problem, mb, schedule, v, bound, budget,
                                               self.stage_types(mb))
                 labels, n_shapes = labels + kept, n_shapes + len(shapes)
-                mix = best_mix(problem, shapes, bound, budget) if shapes else None
+                mix = best_mix(problem, shapes, bound, budget, self.need) if shapes else None
             except SearchTimeout:
                 open_floors.append(floors[i])
                 continue
@@ -710,15 +721,17 @@ def _plan(mix: Mix, mb: int, schedule: Schedule, v: int) -> PipelinePlan:
 
 
 def _quick(problem: PipelineProblem, mb: int, schedule: Schedule, v: int, bound: PlanBound,
-           fluid: Fluid, types: _Types, tables: dict, budget: Budget) -> Mix | None:
+           fluid: Fluid, types: _Types, tables: dict, budget: Budget, need: int = 0
+           ) -> Mix | None:
     """The quick plan of one configuration (:mod:`shardplan.solver.stages.quick`): uniform replicas
     of a problem of identical layers from :class:`~shardplan.solver.stages.quick.Family`, else
     :func:`~shardplan.solver.stages.shapes.uniform_shapes`."""
     if len(set(problem.layers)) == 1 and not problem.stacks:  # Family cuts stacks anywhere
         family = Family(problem, mb, schedule, v, types, tables)
-        return quick_mix(problem, family.shapes, bound, fluid, budget, family.materialize)
+        return quick_mix(problem, family.shapes, bound, fluid, budget, family.materialize,
+                         need)
     shapes = uniform_shapes(problem, mb, schedule, v, bound.safe, budget)
-    return quick_mix(problem, shapes, bound, fluid, budget)
+    return quick_mix(problem, shapes, bound, fluid, budget, need=need)
 
 
 def _bounds(problem: PipelineProblem) -> Callable[..., PlanBound]:
