@@ -32,6 +32,7 @@ from shardplan.runtime.verify import (
     compiled_figures,
     device_bytes,
 )
+from shardplan.solver.stages.pipeline import equal_classes
 
 __all__ = ["REPLICA", "PlannedStep", "Step", "identical_replicas", "leaf_shardings",
            "runtime_meshes", "stage_mesh", "state_shardings"]
@@ -63,7 +64,10 @@ def identical_replicas(plan: Plan, replicas: Sequence[ReplicaSpec],
                        meshes: Mapping[int, jax.sharding.Mesh]) -> list[list[int]]:
     """The replicas in groups that run as one: the same microbatch count and, stage by stage,
     the same layers, remat, layout, device type and sub-mesh shape, all in one process (a
-    stage runs in one process). Groups in the order of their first member."""
+    stage runs in one process), cut to groups of one size
+    (:func:`~shardplan.solver.stages.pipeline.equal_classes`: so the members' all-reduce and
+    the exchange between groups take no longer than the ring the stage planner prices).
+    Groups in the order of their first member."""
     def signature(r: int) -> tuple:
         spec = replicas[r]
         stages = tuple(plan.stages[s] for s in spec.stages)
@@ -77,7 +81,7 @@ def identical_replicas(plan: Plan, replicas: Sequence[ReplicaSpec],
     groups: dict[tuple, list[int]] = {}
     for r in range(len(replicas)):
         groups.setdefault(signature(r), []).append(r)
-    return sorted(groups.values())
+    return equal_classes(list(groups.values()))
 
 
 def runtime_meshes(plan: Plan, /) -> tuple[dict[int, jax.sharding.Mesh], list[list[int]]]:

@@ -22,6 +22,7 @@ from helpers.pipelines import (
 )
 
 import shardplan as sp
+from shardplan.solver.stages.pipeline import equal_classes
 
 
 def _llama():
@@ -192,16 +193,33 @@ def test_replicas_that_differ_exchange_what_the_planner_prices(sharded: bool) ->
     assert "exchange" in report
 
 
-def test_identical_replicas_beside_one_that_differs() -> None:
-    # Two identical A100 replicas (one party: their stages all-reduce inside their sync
-    # programs) and a V100 replica cutting the model elsewhere: the two parties exchange their
-    # sums, each stage receiving what the planner prices for the plan's classes.
+def test_identical_replicas_beside_others_that_differ() -> None:
+    # Two identical A100 replicas and two identical V100 replicas cutting the model elsewhere:
+    # two classes of two (each one party: its stages all-reduce inside their sync programs);
+    # the parties exchange their sums, each stage receiving what the planner prices.
+    a100 = [[("a100-80g", (2 * r,), ("pre", "blocks.0")),
+             ("a100-80g", (2 * r + 1,), ("blocks.1", "blocks.2", "blocks.3", "post"))]
+            for r in range(2)]
+    v100 = [[("v100-32g", (4 + 2 * r,), ("pre", "blocks.0", "blocks.1", "blocks.2")),
+             ("v100-32g", (5 + 2 * r,), ("blocks.3", "post"))] for r in range(2)]
+    _, _, run = _exchanged([*a100, *v100], [5, 5, 3, 3])
+    assert run._groups == [[0, 1], [2, 3]]
+    assert {p["stage"] for p in run.plan.compiled["programs"]
+            if p["name"].startswith("sync")} >= {0, 1, 4, 5}
+
+
+def test_classes_of_unequal_size_are_cut_to_one_size() -> None:
+    # Two identical A100 replicas beside one V100 replica: merged, the A100s' all-reduce and
+    # then the exchange (whose slowest devices, the V100's, receive all their bytes) would
+    # take longer than the ring the planner prices; the runtime and the planner's model
+    # (replica_classes) cut the classes to one size, here three parties, and the exchange
+    # brings each stage what was priced.
     a100 = [[("a100-80g", (2 * r,), ("pre", "blocks.0")),
              ("a100-80g", (2 * r + 1,), ("blocks.1", "blocks.2", "blocks.3", "post"))]
             for r in range(2)]
     v100 = [("v100-32g", (4,), ("pre", "blocks.0", "blocks.1", "blocks.2")),
             ("v100-32g", (5,), ("blocks.3", "post"))]
     _, _, run = _exchanged([*a100, v100], [5, 5, 6])
-    assert run._groups == [[0, 1], [2]]
-    assert {p["stage"] for p in run.plan.compiled["programs"]
-            if p["name"].startswith("sync")} >= {0, 1}
+    assert run._groups == [[0], [1], [2]]
+    assert equal_classes([[0, 1, 4, 5], [2, 3], [6]]) == [[0], [1], [2], [3], [4], [5], [6]]
+    assert equal_classes([[0, 2, 4, 6], [1, 3], [5, 7]]) == [[0, 2], [1, 3], [4, 6], [5, 7]]

@@ -90,8 +90,8 @@ Step time (:func:`evaluate_pipeline`), per replica with ``k`` stages and ``m`` m
   still its ``2 (R - 1) / R`` share, and the latency is charged once, as if each device's
   pieces went in one bucket.) Both the busiest stage and the plan-wide link keep the stage
   planner's search separable per replica and stage. The runtime all-reduces inside classes
-  of identical replicas and exchanges between the classes (:func:`exchange_bytes`), which
-  moves no more per device than this ring.
+  of identical replicas, cut to one size (:func:`equal_classes`), and exchanges between the
+  classes (:func:`exchange_bytes`): per device the ring's bytes, in no more time.
 * the update: ``max`` over all stages of the sum of their layers' ``update_s``, after the
   synchronisation (every stage updates at once).
 
@@ -123,6 +123,7 @@ __all__ = [
     "Replica",
     "StagePlacement",
     "check_pipeline",
+    "equal_classes",
     "evaluate_pipeline",
     "exchange_bytes",
     "group_link",
@@ -496,14 +497,29 @@ def transfer_bytes(problem: PipelineProblem, plan: PipelinePlan) -> float:
 
 
 def replica_classes(plan: PipelinePlan) -> list[list[int]]:
-    """The replicas in classes of identical ones (equal stages and microbatch count), in order
-    of their first member. The runtime runs a class as one replica whose stages all-reduce
-    their gradients inside their programs, and the classes exchange their sums
-    (:func:`exchange_bytes`)."""
+    """The replicas in classes of identical ones (equal stages and microbatch count), cut to
+    one size (:func:`equal_classes`), in order of their first member. The runtime runs a
+    class as one replica whose stages all-reduce their gradients inside their programs, and
+    the classes exchange their sums (:func:`exchange_bytes`)."""
     classes: dict[Replica, list[int]] = {}
     for r, replica in enumerate(plan.replicas):
         classes.setdefault(replica, []).append(r)
-    return list(classes.values())
+    return equal_classes(list(classes.values()))
+
+
+def equal_classes(groups: Sequence[Sequence[int]]) -> list[list[int]]:
+    """``groups`` of identical replicas cut into classes of one size, the greatest common
+    divisor of the groups' sizes, in order of their first member.
+
+    The synchronisation runs in two phases, the members of a class all-reducing inside it and
+    the classes exchanging; with classes of one size ``W`` every device moves the ring's
+    ``2 (R - 1) / R`` of its bytes in the two together, and the slowest device of both phases
+    is one holding the largest gradient share, so they take no longer than the ring
+    :func:`sync_s` prices. Classes of unequal size could take longer (a class of 15 beside a
+    lone replica: ``2 * 14/15 + 1`` against ``2 * 15/16`` times a device's bytes)."""
+    size = math.gcd(*(len(g) for g in groups)) if groups else 1
+    out = [list(g[i:i + size]) for g in groups for i in range(0, len(g), size)]
+    return sorted(out, key=lambda c: c[0])
 
 
 def exchange_bytes(problem: PipelineProblem, plan: PipelinePlan,
@@ -514,10 +530,10 @@ def exchange_bytes(problem: PipelineProblem, plan: PipelinePlan,
     and an all-gather, the ring's share), over all its devices (a class of ``W`` identical
     replicas: over its members' devices together). Empty with one class.
 
-    Per device this is no more than the ring :func:`sync_s` prices over all ``R`` replicas:
-    with classes of ``W`` members each, the members' all-reduce (``2 (W - 1) / W`` of a
+    With classes of ``W`` members each, the members' all-reduce (``2 (W - 1) / W`` of a
     device's bytes) and the exchange over ``W`` times the devices (``2 (G - 1) / (G W)``)
-    add up to the ring's ``2 (R - 1) / R``; with classes of unequal sizes, to less."""
+    add up to the ring's ``2 (R - 1) / R`` that :func:`sync_s` prices (the classes are of one
+    size, :func:`equal_classes`)."""
     classes = replica_classes(plan)
     g = len(classes)
     if g < 2:
