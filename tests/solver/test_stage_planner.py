@@ -377,6 +377,26 @@ def test_infeasible_report_counts_the_working_bytes() -> None:
     assert "the model fits on 3 x a alone (there are 2)" in str(info.value)
 
 
+def test_a_replica_the_schedule_cannot_hold_is_proven_infeasible_without_search() -> None:
+    # Five layers of 1 byte of state and 3 of activation per sample, 2 devices of 12 bytes,
+    # five microbatches of one sample under 1F1B. With one microbatch in flight a stage holds
+    # 3 layers (4 bytes each), so both devices together could hold 6 >= 5 and one replica
+    # at most (6 < 10); but that replica runs all five microbatches, and its stage second
+    # from the end holds two of them: 1 layer (7 bytes). 3 + 1 < 5: no plan, proven before
+    # any search (a work limit of 1 unit would otherwise end it unproven).
+    kind = LayerKind("block", {0: (_option(1, state=1.0, activation=3.0),)}, 0.0, 0.0)
+    problem = PipelineProblem((kind,), (0,) * 5, (_group("a", 2, memory=12.0),), FREE,
+                              batch=5, microbatch_sizes=(1,), schedules=("1f1b",),
+                              remats=("none",), work_limit=1)
+    with pytest.raises(PipelineInfeasibleError) as info:
+        solve_pipeline(problem)
+    assert info.value.report.min_devices == (2,)
+    assert "no plan meets every constraint together" in str(info.value)
+    # four layers fit (3 on the last stage, 1 on the one before): a plan, found
+    assert solve_pipeline(dataclasses.replace(problem, layers=(0,) * 4,
+                                              work_limit=0)).evaluation.feasible
+
+
 def test_negative_price_is_rejected() -> None:
     kind = LayerKind("block", {0: (_option(1),)}, 0.0, 0.0)
     group = DeviceGroup("d", 1, 1, 10.0, -1.0, FREE, FREE)

@@ -180,6 +180,7 @@ from shardplan.solver.stages.shapes import (
     Shape,
     _Types,
     _undominated,
+    holds_a_replica,
     replica_shapes,
     uniform_shapes,
 )
@@ -323,7 +324,9 @@ def infeasibility_report(problem: PipelineProblem, /) -> InfeasibilityReport:
     elif set(problem.schedules) == {"interleaved"} and not cuts:
         reason, remedy = _interleaving_reason(problem)
     elif not fits:
-        reason = "no group holds one replica of the model in memory"
+        reason = "no group holds one replica of the model in memory" + (
+            ", nor does a pipeline over several groups (its stages holding the microbatches "
+            "their schedule keeps in flight)" if len(problem.groups) > 1 else "")
     elif problem.stacks:
         reason, remedy = _stack_reason(problem)
     else:
@@ -469,6 +472,10 @@ def solve_pipeline(problem: PipelineProblem, /, *, seeds: Sequence[PipelinePlan]
     floors = [fluid.bound(using) for fluid in fluids]
     search = _Search(problem, budget, bound_for, configs, fluids, floors,
                      need=0 if using is None else 1 << using)
+    for i, (mb, schedule, v) in enumerate(configs):
+        # no replica holds the model: the configuration has no plan (proven)
+        if floors[i] < math.inf and not holds_a_replica(search.stage_types(mb), schedule, v):
+            floors[i] = math.inf
     search.offer_seeds(seeds)
     quick = search.quick_phase()
     quick_s = time.perf_counter() - start

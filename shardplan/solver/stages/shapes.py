@@ -35,8 +35,8 @@ from shardplan.solver.stages.pipeline import (
     stage_work,
 )
 
-__all__ = ["UNLIMITED", "Budget", "SearchTimeout", "Shape", "replica_shapes", "shape_dominates",
-           "shape_of", "stack_edges", "uniform_shapes"]
+__all__ = ["UNLIMITED", "Budget", "SearchTimeout", "Shape", "holds_a_replica", "replica_shapes",
+           "shape_dominates", "shape_of", "stack_edges", "uniform_shapes"]
 
 # (Past 600 lines: the backward and interleaved dynamic programs, the uniform shapes of the
 # quick phase and the most even legal cut of a scanned stack all build shapes from one
@@ -226,9 +226,10 @@ class _Types:
         looped = looped_work(self.problem.stacks, layers, works)
         return t, st + self.mb * stage_work(rc, wk, looped), ac, up, sg
 
-    def runs(self, ti: int, mem: float) -> list[list[tuple[float, ...]]]:
+    def runs(self, ti: int, mem: float, flight: float = 1.0) -> list[list[tuple[float, ...]]]:
         """Per first layer ``i``, the sums of ``[i, i + L)`` for ``L = 1, 2, ...`` while the
-        stage fits in memory with one microbatch in flight (no schedule holds fewer)."""
+        stage fits in memory with ``flight`` microbatches in flight (one: no schedule holds
+        fewer)."""
         n = len(self.problem.layers)
         row, layers, mb = self.per_layer[ti], self.problem.layers, self.mb
         out: list[list[tuple[float, ...]]] = [[] for _ in range(n + 1)]
@@ -264,11 +265,74 @@ class _Types:
                 if run >= 2:
                     looped = max(looped, run_best)
                 held = st + mb * stage_work(rc, wk, looped)
-                if held + 1.0 * mb * ac > mem:
+                if held + flight * mb * ac > mem:
                     break
                 acc.append((t, held, ac, up, sg))
             out[i] = acc
         return out
+
+
+def holds_a_replica(types: _Types, schedule: Schedule, v: int) -> bool:
+    """Whether some replica could hold every layer at this microbatch size; ``False`` proves
+    that no plan of the configuration exists.
+
+    Two necessary conditions on stages of contiguous layers (GPipe, 1F1B), each stage's memory
+    counted as the search counts it (interleaved stages hold chunks apart: no proof, ``True``):
+
+    * every replica covers the ``n`` layers, and a device of group ``g`` covers at most
+      ``L / d`` of them, ``L`` the most layers one stage of ``d`` devices holds with one
+      microbatch in flight: at most ``floor(sum_g N_g max L / d / n)`` replicas fit;
+    * when that is one, the replica runs every microbatch, so its stage ``p``-th from the end
+      holds ``min(M, p)`` of them in flight under 1F1B (all ``M`` under GPipe): a dynamic
+      program over the stages from the end, per count of devices used per group, keeps the
+      first layer of the longest suffix such stages hold (a stage holding some layers holds
+      any fewer of them: memory only grows with layers).
+    """
+    if schedule == "interleaved" and v > 1:
+        return True
+    problem, mb = types.problem, types.mb
+    n, total = len(problem.layers), problem.batch // mb
+    counts = [g.count for g in problem.groups]
+    starts: dict[tuple[int, float], list[int]] = {}
+
+    def start(ti: int, flight: float) -> list[int]:
+        """Per end ``j``, the first layer of the longest stage of type ``ti`` ending there."""
+        if (ti, flight) not in starts:
+            g = types.types[ti][0]
+            length = [len(r) for r in types.runs(ti, problem.groups[g].memory_bytes,
+                                                 flight)[:n]]
+            first = list(range(n + 1))
+            for i in range(n - 1, -1, -1):
+                for j in range(i + 1, i + length[i] + 1):
+                    first[j] = i
+            starts[ti, flight] = first
+        return starts[ti, flight]
+
+    per_device = 0.0
+    for g in range(len(counts)):
+        per_device += counts[g] * max(
+            (max(j - i for j, i in enumerate(start(ti, 1.0))) / d
+             for ti, (gg, d, _) in enumerate(types.types) if gg == g), default=0.0)
+    if per_device < n:
+        return False
+    if per_device >= 2 * n or math.prod(c + 1 for c in counts) > 100_000:
+        return True  # two replicas may fit, or too many device splits to walk
+    # first[u]: the first layer of the longest suffix stages on u devices per group hold
+    first: dict[tuple[int, ...], int] = {(0,) * len(counts): n}
+    for p in range(1, min(sum(counts), problem.max_stages or n) + 1):
+        flight = float(total) if schedule == "gpipe" else float(min(total, p))
+        step: dict[tuple[int, ...], int] = {}
+        for u, j in first.items():
+            for ti, (g, d, _) in enumerate(types.types):
+                if u[g] + d <= counts[g] and (i := start(ti, flight)[j]) < j:
+                    w = (*u[:g], u[g] + d, *u[g + 1:])
+                    step[w] = min(step.get(w, n), i)
+        if not step:
+            break
+        if min(step.values()) == 0:
+            return True
+        first = step
+    return False
 
 
 def _cap(fits: Callable[[int], bool], lo: int, hi: int) -> int:
