@@ -397,25 +397,36 @@ def _min_devices(problem: PipelineProblem, g: int, mb: int, types: _Types) -> in
     flight (within ``max_stages`` stages when set), each stage's memory counted as the search
     counts it (:meth:`~shardplan.solver.stages.shapes._Types.runs`)."""
     n, group = len(problem.layers), problem.groups[g]
-    # reach[i]: (devices, first layer after) of every stage that starts at layer i and fits
-    reach: list[list[tuple[int, int]]] = [[] for _ in range(n)]
+    # longest[i]: per sub-mesh size, the most layers a stage from layer i holds (any fewer
+    # fit too: memory only grows with layers)
+    longest: list[dict[int, int]] = [{} for _ in range(n)]
     for ti, (gg, d, _) in enumerate(types.types):
         if gg != g:
             continue
         for i, run in enumerate(types.runs(ti, group.memory_bytes)[:n]):
-            reach[i].extend((d, i + length) for length in range(1, len(run) + 1))
-    # fewest[j]: fewest devices covering layers [0, j), one list entry per stage count
-    fewest = [math.inf] * (n + 1)
-    fewest[0] = 0
-    found = math.inf
-    for _ in range(problem.max_stages or n):
-        step = [math.inf] * (n + 1)
+            if run:
+                longest[i][d] = max(longest[i].get(d, 0), len(run))
+
+    def extend(fewest: list[float], into: list[float]) -> None:
         for i in range(n):
             if fewest[i] < math.inf:
-                for d, j in reach[i]:
-                    step[j] = min(step[j], fewest[i] + d)
-        fewest = step
-        found = min(found, fewest[n])
+                for d, most in longest[i].items():
+                    for j in range(i + 1, i + most + 1):
+                        into[j] = min(into[j], fewest[i] + d)
+
+    # fewest[j]: fewest devices covering layers [0, j)
+    fewest = [math.inf] * (n + 1)
+    fewest[0] = 0
+    if not problem.max_stages:  # in layer order: fewest[i] is final once i is reached
+        extend(fewest, fewest)
+        found = fewest[n]
+    else:  # one round per stage count
+        found = math.inf
+        for _ in range(problem.max_stages):
+            step = [math.inf] * (n + 1)
+            extend(fewest, step)
+            fewest = step
+            found = min(found, fewest[n])
     return None if found == math.inf or n == 0 else int(found)
 
 
@@ -556,10 +567,13 @@ class _Search:
         quick = [math.inf] * len(configs)
         for i in sorted(range(len(configs)), key=lambda i: (configs[i][0], floors[i], i)):
             mb, schedule, v = configs[i]
-            if floors[i] >= self.best_value or (self.best is not None and budget.over(0)):
+            bounded = self.best is not None or self.need
+            if floors[i] >= self.best_value or (bounded and budget.over(0)):
                 continue  # (past the budget, only until there is a plan)
             # Until there is a plan the quick phase runs unbounded; its work still counts.
-            fence = budget if self.best is not None else Budget()
+            # (Not for a plan that must use a group: what using it costs is worth its share
+            # of the time, no more.)
+            fence = budget if bounded else Budget()
             mix = _quick(problem, mb, schedule, v,
                          self.bound_for(mb, self.best_value, self.fluids[i]), self.fluids[i],
                          self.stage_types(mb), self.tables.setdefault(mb, {}), fence,
