@@ -483,12 +483,14 @@ def solve_pipeline(problem: PipelineProblem, /, *, seeds: Sequence[PipelinePlan]
     floors = [fluid.bound(using) for fluid in fluids]
     search = _Search(problem, budget, bound_for, configs, fluids, floors,
                      need=0 if using is None else 1 << using)
-    for i, (mb, schedule, v) in enumerate(configs):
-        # no replica holds the model: the configuration has no plan (proven)
-        if floors[i] < math.inf and not holds_a_replica(search.stage_types(mb), schedule, v):
-            floors[i] = math.inf
     search.offer_seeds(seeds)
     quick = search.quick_phase()
+    for i, (mb, schedule, v) in enumerate(configs):
+        # where the quick phase found nothing, perhaps no replica holds the model: then the
+        # configuration has no plan (proven) and the later phases skip it
+        if (quick[i] == math.inf and floors[i] < math.inf
+                and not holds_a_replica(search.stage_types(mb), schedule, v)):
+            floors[i] = math.inf
     quick_s = time.perf_counter() - start
     search.typed_phase(quick)
     labels, n_shapes, n_states, open_floors = search.full_phase(quick)
