@@ -395,17 +395,17 @@ def _pipeline_config(plan: PipelinePlan, device_types: Sequence[str]) -> str:
 
 
 USING_SHARE = 0.25
-"""Of the stage planner's time (and work) limit, what the search for the best plan that uses
-one unused device group gets (:func:`unused_types`)."""
+"""Of the stage planner's time (and work) limit, what the searches for the best plans that use
+the unused device groups get together, in equal parts (:func:`unused_types`)."""
 
 
 def unused_types(choice: PipelineChoice, problem: PipelineProblem) -> dict[str, Any]:
     """Per device group the chosen plan leaves unused: what using it costs.
 
     The stage planner searches again for the best plan with a stage on the group
-    (:func:`~shardplan.solver.stages.search.solve_pipeline` with ``using``), within
-    :data:`USING_SHARE` of its time and work limits, seeded with the final candidates that
-    use it (:mod:`shardplan.solver.stages.portfolio`). Of the best found: ``best_step_s``,
+    (:func:`~shardplan.solver.stages.search.solve_pipeline` with ``using``), within an equal
+    part of :data:`USING_SHARE` of its time and work limits, seeded with the final candidates
+    that use it (:mod:`shardplan.solver.stages.portfolio`). Of the best found: ``best_step_s``,
     ``config``, ``slower_by`` (over the chosen plan), ``optimal`` (proven the best plan that
     uses the group), ``limit`` and ``limit_extra_s``: what it loses on, its synchronisation
     (with ``sync_link_GB_s``, the bandwidth of the link it runs on), its slowest replica's
@@ -426,9 +426,10 @@ def unused_types(choice: PipelineChoice, problem: PipelineProblem) -> dict[str, 
                                          "devices": group.count}}
         seeds = [c.plan for c in choice.candidates if c.evaluation.feasible
                  and any(s.group == g for r in c.plan.replicas for s in r.stages)]
+        share = USING_SHARE / len(unused)
         limited = dataclasses.replace(
-            problem, time_limit_s=USING_SHARE * problem.time_limit_s,
-            work_limit=int(USING_SHARE * problem.work_limit) if problem.work_limit else 0)
+            problem, time_limit_s=share * problem.time_limit_s,
+            work_limit=max(1, int(share * problem.work_limit)) if problem.work_limit else 0)
         try:
             found = solve_pipeline(limited, seeds=seeds, using=g)
         except InfeasibleError:
