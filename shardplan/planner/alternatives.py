@@ -435,7 +435,11 @@ def unused_types(choice: PipelineChoice, problem: PipelineProblem) -> dict[str, 
         except InfeasibleError:
             row["none_found"] = "no plan that uses it fits (proven)"
         except SolverError:
-            row["none_found"] = (f"none found within {limited.time_limit_s:g} s of search")
+            row["none_found"] = (
+                f"none found within its share of the stage planner's limits "
+                f"({limited.time_limit_s:g} s"
+                + (f", {limited.work_limit:,} work units" if limited.work_limit else "")
+                + "; PlanConfig.stage_time_limit_s and stage_work_limit give it more)")
         else:
             ev = found.evaluation
             parts = {"synchronisation": ev.sync_s - chosen.sync_s,

@@ -19,10 +19,18 @@ from helpers.steps import mlp_step
 
 import shardplan as sp
 from shardplan._format import format_spec, key_pattern, starred_values
-from shardplan.planner.alternatives import LocalCosts, alternative
+from shardplan.planner.alternatives import LocalCosts, alternative, unused_types
 from shardplan.planner.multi import memory_budget
 from shardplan.planner.single import _search
 from shardplan.solver.intraop.evaluate import evaluate
+from shardplan.solver.stages.pipeline import (
+    DeviceGroup,
+    LayerKind,
+    LayerOption,
+    Link,
+    PipelineProblem,
+)
+from shardplan.solver.stages.portfolio import plan_pipeline
 
 CONFIG = sp.PlanConfig(max_mesh_axes=3, relative_gap=0.0)
 SMALL = sp.PlanConfig(relative_gap=0.0)
@@ -198,6 +206,32 @@ def test_diff_of_plans_on_different_meshes_names_the_changed_specs(small) -> Non
     for change in d.param_specs:
         assert change.pattern in text
     assert "step time" in {c.field for c in d.predicted}
+
+
+def test_an_unused_type_whose_search_runs_out_says_so_and_how_to_give_it_more() -> None:
+    # Two groups, the faster one alone is best; with a work limit of one unit the search for a
+    # plan that uses the slower group finds none and names the limits that would give it more.
+    fast = LayerOption(1, (0.0, 1.0), (0.0, 1.0), {"none": (0.0, 0.0)}, {"none": 0.0}, 0.0,
+                       0.0)
+    slow = dataclasses.replace(fast, forward_s=(0.0, 4.0), backward_s=(0.0, 4.0))
+    link = Link(1e9, 0.0)
+    problem = PipelineProblem(
+        (LayerKind("block", {0: (fast,), 1: (slow,)}, 0.0, 1.0),), (0, 0),
+        (DeviceGroup("a", 2, 2, 1e9, 1.0, link, link),
+         DeviceGroup("b", 1, 1, 1e9, 1.0, link, link)), Link(1.0, 1.0), batch=8,
+        microbatch_sizes=(1,), schedules=("1f1b",), remats=("none",))
+    choice = plan_pipeline(problem)
+    assert {s.group for r in choice.plan.replicas for s in r.stages} == {0}
+    # (the candidates that use group b would seed the search: left out)
+    alone = dataclasses.replace(choice, candidates=tuple(
+        c for c in choice.candidates
+        if all(s.group == 0 for r in c.plan.replicas for s in r.stages)))
+    (row,) = unused_types(alone, dataclasses.replace(problem, work_limit=1)).values()
+    assert "none_found" in row and "best_step_s" not in row
+    assert "1 work units" in row["none_found"] and "stage_work_limit" in row["none_found"]
+    # with no limit the search finds the best plan that uses it
+    (row,) = unused_types(alone, problem).values()
+    assert row["optimal"] is True and row["slower_by"] > 0
 
 
 def test_a_multi_stage_plan_records_the_stage_planners_other_candidates() -> None:
