@@ -172,16 +172,16 @@ def _min_devices(problem: PipelineProblem, g: int, mb: int, types: _Types) -> in
     """The fewest devices of group ``g`` whose stages hold all layers with one microbatch in
     flight (within ``max_stages`` stages when set), each stage's memory counted as the search
     counts it (:meth:`~shardplan.solver.stages.shapes._Types.runs`)."""
-    n, group = len(problem.layers), problem.groups[g]
+    n = len(problem.layers)
     # longest[i]: per sub-mesh size, the most layers a stage from layer i holds (any fewer
     # fit too: memory only grows with layers)
     longest: list[dict[int, int]] = [{} for _ in range(n)]
     for ti, (gg, d, _) in enumerate(types.types):
         if gg != g:
             continue
-        for i, run in enumerate(types.runs(ti, group.memory_bytes)[:n]):
-            if run:
-                longest[i][d] = max(longest[i].get(d, 0), len(run))
+        for i, most in enumerate(types.longest(ti)):
+            if most:
+                longest[i][d] = max(longest[i].get(d, 0), most)
 
     def extend(fewest: list[float], into: list[float]) -> None:
         for i in range(n):

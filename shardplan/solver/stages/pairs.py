@@ -9,8 +9,8 @@ on a geometric grid, the replicas with ``n_a`` rounded down and up (each part's 
 as evenly as they go, the shorter stages first), each evaluated exactly by
 :func:`~shardplan.solver.stages.shapes.shape_of`, for the pairs of the two parts' remats,
 fastest first, until one holds every microbatch its schedule keeps in flight (those before
-it that fit with fewer are kept too; a split whose stages cannot hold their layers' state
-and one microbatch's activations is skipped before it is evaluated).
+it that fit with fewer are kept too; a split with a stage that cannot hold one microbatch,
+counted as the search counts it, is skipped before it is evaluated).
 
 These are the mixed replicas the exact search (:mod:`shardplan.solver.stages.search`) also
 builds, found in a fraction of its time: a search cut by its budget on a large cluster still
@@ -24,8 +24,6 @@ from __future__ import annotations
 import itertools
 import math
 from typing import cast
-
-import numpy as np
 
 from shardplan.solver.stages.pipeline import (
     PipelineProblem,
@@ -66,26 +64,6 @@ def _split(layers: range, k: int) -> list[tuple[int, ...]]:
     return out
 
 
-class _Held:
-    """Per stage type, prefix sums of its layers' state and activation bytes: whether a
-    stage holds its layers with one microbatch in flight, in O(1) (a necessary condition
-    :func:`~shardplan.solver.stages.shapes.shape_of` checks in full)."""
-
-    def __init__(self, types: _Types, mb: int) -> None:
-        self.mb, self.prefix = mb, {}
-        for ti, row in enumerate(types.per_layer):
-            if all(x is not None for x in row):
-                state = np.concatenate(([0.0], np.cumsum([x[1] for x in row if x])))
-                act = np.concatenate(([0.0], np.cumsum([x[2] for x in row if x])))
-                self.prefix[ti] = (state, act)
-        self.memory = [types.problem.groups[g].memory_bytes for g, _, _ in types.types]
-
-    def fits(self, ti: int, parts: list[tuple[int, ...]]) -> bool:
-        state, act = self.prefix[ti]
-        return all(state[p[-1] + 1] - state[p[0]] + self.mb * (act[p[-1] + 1] - act[p[0]])
-                   <= self.memory[ti] for p in parts)
-
-
 def two_type_shapes(problem: PipelineProblem, mb: int, schedule: Schedule, v: int,
                     types: _Types, budget: Budget = UNLIMITED) -> list[Shape]:
     """Replica shapes over two groups (the module docstring), until ``budget`` is spent (one
@@ -93,12 +71,12 @@ def two_type_shapes(problem: PipelineProblem, mb: int, schedule: Schedule, v: in
     if schedule == "interleaved" and v > 1:
         return []
     n = len(problem.layers)
-    held = _Held(types, mb)
     # per (group, devices): its stage types with their mean seconds per layer, fastest remat
-    # first
+    # first (types some layer has no option of are left out)
     kinds: dict[tuple[int, int], list[tuple[int, float]]] = {}
-    for ti in held.prefix:
-        g, d, _ = types.types[ti]
+    for ti, (g, d, _) in enumerate(types.types):
+        if any(x is None for x in types.per_layer[ti]):
+            continue
         rate = sum(x[0] for x in types.per_layer[ti] if x is not None) / n
         kinds.setdefault((g, d), []).append((ti, rate))
     for opts in kinds.values():
@@ -115,7 +93,7 @@ def two_type_shapes(problem: PipelineProblem, mb: int, schedule: Schedule, v: in
             # the remats of the two parts, fastest first, until one pair holds all the
             # microbatches in flight that its schedule keeps
             for (ta, rate_a), (tb, rate_b) in itertools.product(kinds[ga, da], kinds[gb, db]):
-                shape = _pair(problem, mb, schedule, v, types, held, (ta, ka, rate_a),
+                shape = _pair(problem, mb, schedule, v, types, (ta, ka, rate_a),
                               (tb, kb, rate_b), out, budget)
                 if budget.over():
                     return out
@@ -125,7 +103,7 @@ def two_type_shapes(problem: PipelineProblem, mb: int, schedule: Schedule, v: in
 
 
 def _pair(problem: PipelineProblem, mb: int, schedule: Schedule, v: int, types: _Types,
-          held: _Held, a: tuple[int, int, float], b: tuple[int, int, float],
+          a: tuple[int, int, float], b: tuple[int, int, float],
           out: list[Shape], budget: Budget) -> Shape | None:
     """The replicas of ``k_a`` stages of type ``t_a`` then ``k_b`` of ``t_b`` with the layers
     split as the module docstring says (appended to ``out``); the first found, or ``None``
@@ -137,7 +115,8 @@ def _pair(problem: PipelineProblem, mb: int, schedule: Schedule, v: int, types: 
     found = None
     for na in sorted({min(max(x, ka), n - kb) for x in (math.floor(ideal), math.ceil(ideal))}):
         front, back = _split(range(na), ka), _split(range(na, n), kb)
-        if not (held.fits(ta, front) and held.fits(tb, back)):
+        # (a stage that cannot hold one microbatch: skipped before it is evaluated)
+        if not (_holds(types, ta, front) and _holds(types, tb, back)):
             continue
         (ga, da, ra), (gb, db, rb) = types.types[ta], types.types[tb]
         stages = ([StagePlacement(ga, da, part, cast(Remat, ra)) for part in front]
@@ -150,3 +129,10 @@ def _pair(problem: PipelineProblem, mb: int, schedule: Schedule, v: int, types: 
             out.append(shape)
             found = found or shape
     return found
+
+
+def _holds(types: _Types, ti: int, parts: list[tuple[int, ...]]) -> bool:
+    """Whether stages of type ``ti`` hold these runs of layers with one microbatch in flight
+    (:meth:`~shardplan.solver.stages.shapes._Types.longest`)."""
+    longest = types.longest(ti)
+    return all(longest[p[0]] >= len(p) for p in parts)

@@ -166,6 +166,7 @@ class _Types:
                                             for e in by_group[g]))
                           for g, ds in by_group.items() for d in ds}
         self._hops: dict[tuple, float] = {}
+        self._longest: dict[tuple[int, float], list[int]] = {}
         # per layer, the scanned stack it is a row of (-1: none), for looped_work
         self.stack_at = [next((s for s, (a, b) in enumerate(problem.stacks) if a <= x < b), -1)
                          for x in range(len(problem.layers))]
@@ -225,6 +226,16 @@ class _Types:
             works.append(v[6])
         looped = looped_work(self.problem.stacks, layers, works)
         return t, st + self.mb * stage_work(rc, wk, looped), ac, up, sg
+
+    def longest(self, ti: int, flight: float = 1.0) -> list[int]:
+        """Per first layer, the most layers a stage of type ``ti`` holds in its group's memory
+        with ``flight`` microbatches in flight (any fewer fit too: memory only grows with
+        layers); built once per type and count."""
+        if (ti, flight) not in self._longest:
+            mem = self.problem.groups[self.types[ti][0]].memory_bytes
+            n = len(self.problem.layers)
+            self._longest[ti, flight] = [len(r) for r in self.runs(ti, mem, flight)[:n]]
+        return self._longest[ti, flight]
 
     def runs(self, ti: int, mem: float, flight: float = 1.0) -> list[list[tuple[float, ...]]]:
         """Per first layer ``i``, the sums of ``[i, i + L)`` for ``L = 1, 2, ...`` while the
@@ -298,9 +309,7 @@ def holds_a_replica(types: _Types, schedule: Schedule, v: int) -> bool:
     def start(ti: int, flight: float) -> list[int]:
         """Per end ``j``, the first layer of the longest stage of type ``ti`` ending there."""
         if (ti, flight) not in starts:
-            g = types.types[ti][0]
-            length = [len(r) for r in types.runs(ti, problem.groups[g].memory_bytes,
-                                                 flight)[:n]]
+            length = types.longest(ti, flight)
             first = list(range(n + 1))
             for i in range(n - 1, -1, -1):
                 for j in range(i + 1, i + length[i] + 1):
@@ -311,7 +320,7 @@ def holds_a_replica(types: _Types, schedule: Schedule, v: int) -> bool:
     per_device = 0.0
     for g in range(len(counts)):
         per_device += counts[g] * max(
-            (max(j - i for j, i in enumerate(start(ti, 1.0))) / d
+            (max(types.longest(ti), default=0) / d
              for ti, (gg, d, _) in enumerate(types.types) if gg == g), default=0.0)
     if per_device < n:
         return False
