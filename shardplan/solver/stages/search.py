@@ -200,6 +200,9 @@ __all__ = [
     "solve_pipeline",
 ]
 
+# (Just past 600 lines: the phases share one state, _Search, and its helpers; the report of a
+# problem with no plan is in infeasible.py.)
+
 
 PAIRS_SHARE = 0.2
 """Of the budget left after the quick plans, the most the two-group replicas of
