@@ -309,9 +309,10 @@ def solve_pipeline(problem: PipelineProblem, /, *, seeds: Sequence[PipelinePlan]
     search.offer_seeds(seeds)
     quick = search.quick_phase()
     for i, (mb, schedule, v) in enumerate(configs):
-        # where the quick phase found nothing, perhaps no replica holds the model: then the
-        # configuration has no plan (proven) and the later phases skip it
-        if (quick[i] == math.inf and floors[i] < math.inf
+        # with no plan yet, perhaps no replica holds the model: then the configuration has
+        # no plan (proven) and the later phases skip it (with a plan, their bounds prune;
+        # the check would only take time from them)
+        if (search.best is None and floors[i] < math.inf
                 and not holds_a_replica(search.stage_types(mb), schedule, v)):
             floors[i] = math.inf
     quick_s = time.perf_counter() - start
